@@ -1,0 +1,20 @@
+"""jaxamp: torch's automatic-mixed-precision GradScaler for JAX, bit for bit."""
+
+from jaxamp._scale_update import update_loss_scale
+from jaxamp._state_access import find_loss_scale_state, get_loss_scale, scale_loss
+from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
+from jaxamp._unscale import all_finite, inverse_scale, unscale_and_check
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScaleState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "find_loss_scale_state",
+    "get_loss_scale",
+    "inverse_scale",
+    "scale_loss",
+    "unscale_and_check",
+    "update_loss_scale",
+]

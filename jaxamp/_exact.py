@@ -1,0 +1,165 @@
+"""Exact float32 arithmetic that torch does in float64: ``f32(f64(x) * factor)``.
+
+torch's ``_amp_update_scale_`` forms the new scale as the float64 product of the
+float32 scale and a float64 factor, rounded once to float32. JAX runs in 32-bit
+mode by default and XLA flushes subnormals, so a plain ``scale * factor`` in
+float32 differs from torch for about a quarter of non-dyadic factors (SPEC 3.3).
+
+This module reproduces the rounding exactly with int32 arithmetic: both operands
+are unpacked into integer significands, multiplied exactly in 12-bit limbs, and
+the product is rounded to nearest-even at float32 precision, subnormals included.
+It is scalar work, done once per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax.numpy as jnp
+from jax import lax
+
+_LIMB_BITS = 12
+_LIMB_MASK = (1 << _LIMB_BITS) - 1
+_PRODUCT_LIMBS = 8  # 2 limbs (f32 significand) x 5 limbs (f64 significand) + carry
+_PRODUCT_BITS = _PRODUCT_LIMBS * _LIMB_BITS
+
+
+class _Unpacked:
+  """A float as ``(-1)**sign * significand * 2**exponent``, plus its class."""
+
+  def __init__(self, sign, limbs, exponent, is_inf, is_nan):
+    self.sign, self.limbs, self.exponent = sign, limbs, exponent
+    self.is_inf, self.is_nan = is_inf, is_nan
+
+  @property
+  def is_zero(self):
+    nonzero = self.limbs[0] != 0
+    for limb in self.limbs[1:]:
+      nonzero = nonzero | (limb != 0)
+    return ~nonzero & ~self.is_inf & ~self.is_nan
+
+
+def _unpack_f32(x) -> _Unpacked:
+  bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+  biased = (bits >> 23) & 0xFF
+  fraction = bits & 0x7FFFFF
+  significand = jnp.where(biased == 0, fraction, fraction | 0x800000)
+  limbs = [significand & _LIMB_MASK, significand >> _LIMB_BITS]
+  exponent = jnp.maximum(biased, 1) - 150
+  special = biased == 0xFF
+  return _Unpacked(
+      bits < 0, limbs, exponent, special & (fraction == 0), special & (fraction != 0)
+  )
+
+
+def _unpack_f64_words(hi, lo) -> _Unpacked:
+  """Unpacks a float64 given as its high and low 32-bit words (int32)."""
+  biased = (hi >> 20) & 0x7FF
+  hi_fraction = hi & 0xFFFFF
+  hi_significand = jnp.where(biased == 0, hi_fraction, hi_fraction | 0x100000)
+  lo = lax.bitcast_convert_type(lo, jnp.uint32)
+  lo_bits = lambda shift: lax.bitcast_convert_type(lo >> shift, jnp.int32)
+  limbs = [
+      lo_bits(0) & _LIMB_MASK,
+      lo_bits(12) & _LIMB_MASK,
+      (lo_bits(24) | (hi_significand << 8)) & _LIMB_MASK,
+      (hi_significand >> 4) & _LIMB_MASK,
+      hi_significand >> 16,
+  ]
+  exponent = jnp.maximum(biased, 1) - 1075
+  special = biased == 0x7FF
+  fraction_nonzero = (hi_fraction != 0) | (lo != 0)
+  return _Unpacked(
+      hi < 0, limbs, exponent, special & ~fraction_nonzero, special & fraction_nonzero
+  )
+
+
+def _unpack_factor(factor) -> _Unpacked:
+  """Unpacks a Python number (exactly, as float64) or a JAX/NumPy scalar."""
+  if isinstance(factor, (int, float, np.floating, np.integer)):
+    word = int(np.float64(factor).view(np.uint64))
+    to_i32 = lambda w: jnp.asarray(np.uint32(w).view(np.int32))
+    return _unpack_f64_words(to_i32(word >> 32), to_i32(word & 0xFFFFFFFF))
+  factor = jnp.asarray(factor)
+  if factor.dtype == jnp.float64:
+    words = lax.bitcast_convert_type(factor, jnp.int32)  # [low, high] word order
+    return _unpack_f64_words(words[1], words[0])
+  return _unpack_f32(factor.astype(jnp.float32))
+
+
+def _product_bits(a: list, b: list):
+  """The bits of the exact product of two limb-encoded integers, LSB first."""
+  columns = [jnp.zeros([], jnp.int32)] * _PRODUCT_LIMBS
+  for i, x in enumerate(a):
+    for j, y in enumerate(b):
+      columns[i + j] = columns[i + j] + x * y  # each term < 2**24
+  limbs, carry = [], jnp.zeros([], jnp.int32)
+  for column in columns:
+    total = column + carry
+    limbs.append(total & _LIMB_MASK)
+    carry = total >> _LIMB_BITS
+  positions = jnp.arange(_LIMB_BITS, dtype=jnp.int32)
+  return ((jnp.stack(limbs)[:, None] >> positions) & 1).reshape(-1)
+
+
+def _round_to_f32_bits(bits, exponent):
+  """Rounds ``sum(bits[i] * 2**(i + exponent))`` to float32 bits (sign 0)."""
+  index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
+  bit_length = jnp.max(jnp.where(bits != 0, index + 1, 0))
+  # Keep 24 significant bits, or fewer where the result is subnormal (2**-149).
+  shift = jnp.maximum(bit_length - 24, -149 - exponent)
+  kept_mask = (index >= shift) & (index < shift + 24)
+  kept = jnp.sum(jnp.where(kept_mask, bits << jnp.clip(index - shift, 0, 23), 0))
+  round_bit = jnp.sum(jnp.where(index == shift - 1, bits, 0))
+  sticky = jnp.any((bits != 0) & (index < shift - 1)).astype(jnp.int32)
+  significand = kept + (round_bit & (sticky | (kept & 1)))
+  lsb_exponent = shift + exponent
+  carried = significand == (1 << 24)
+  significand = jnp.where(carried, 1 << 23, significand)
+  lsb_exponent = jnp.where(carried, lsb_exponent + 1, lsb_exponent)
+  biased = jnp.where(significand >= (1 << 23), lsb_exponent + 150, 0)
+  finite_bits = (biased << 23) | (significand & 0x7FFFFF)
+  return jnp.where(biased >= 0xFF, 0x7F800000, finite_bits)
+
+
+def multiply_exact(x, factor):
+  """Returns ``f32(f64(x) * f64(factor))``, rounded once, as torch computes it.
+
+  Args:
+    x: a float32 scalar (the loss scale).
+    factor: a Python number (used exactly, as a float64), or a float scalar
+      array of any dtype (used with its own value, e.g. a traced
+      hyperparameter from ``optax.inject_hyperparams``).
+
+  Returns:
+    A float32 scalar, bit-equal to torch's result, subnormal results included.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> float(multiply_exact(jnp.float32(3.0), 0.3))  # pure float32 gives 0.9000000357627869
+    0.8999999761581421
+  """
+  return _multiply(x, _unpack_factor(factor))
+
+
+def multiply_by_f64_words(x, hi, lo):
+  """``multiply_exact`` with the float64 factor given as int32 high/low words.
+
+  The same code path that Python-number factors take, but vectorisable: used to
+  check the rounding over many (scale, factor) pairs in one jitted call.
+  """
+  return _multiply(x, _unpack_f64_words(hi, lo))
+
+
+def _multiply(x, b: _Unpacked):
+  a = _unpack_f32(x)
+  magnitude_bits = _round_to_f32_bits(
+      _product_bits(a.limbs, b.limbs), a.exponent + b.exponent
+  )
+  sign = (a.sign ^ b.sign).astype(jnp.int32) << 31
+  result = lax.bitcast_convert_type(magnitude_bits | sign, jnp.float32)
+  inf = jnp.where(a.sign ^ b.sign, -jnp.inf, jnp.inf).astype(jnp.float32)
+  result = jnp.where(a.is_inf | b.is_inf, inf, result)
+  invalid = (a.is_inf & b.is_zero) | (a.is_zero & b.is_inf) | b.is_nan
+  result = jnp.where(invalid, jnp.float32(jnp.nan), result)
+  return jnp.where(a.is_nan, jnp.asarray(x, jnp.float32), result)

@@ -1,0 +1,79 @@
+"""The loss-scale update rule of torch's ``_amp_update_scale_``, bit for bit."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._exact import multiply_exact
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def update_loss_scale(
+    loss_scale: jax.Array,
+    growth_tracker: jax.Array,
+    found_inf: jax.Array,
+    *,
+    growth_factor: float | jax.Array = 2.0,
+    backoff_factor: float | jax.Array = 0.5,
+    growth_interval: int | jax.Array = 2000,
+) -> tuple[jax.Array, jax.Array]:
+  """Returns the new ``(loss_scale, growth_tracker)`` after one update.
+
+  Exactly torch's ``_amp_update_scale_`` (SPEC 3.3)::
+
+    if found_inf:                      # any non-zero value, NaN included
+      scale, tracker = f32(f64(scale) * backoff_factor), 0
+    elif tracker + 1 == growth_interval:   # int32 tracker, wraps at 2**31
+      grown = f32(f64(scale) * growth_factor)
+      scale, tracker = (grown if isfinite(grown) else scale), 0
+    else:
+      tracker = tracker + 1
+
+  The products are rounded once to float32 from the exact product, also inside
+  ``jit`` in JAX's default 32-bit mode; a growth that would overflow is dropped,
+  a backoff has no floor (the scale can reach subnormals and zero), and a
+  ``growth_interval`` of zero or less never grows.
+
+  Args:
+    loss_scale: the current scale, float32 ``[]``.
+    growth_tracker: consecutive finite updates so far, int32 ``[]``.
+    found_inf: whether this step saw inf or NaN (bool, or a float where any
+      non-zero value counts as found, as in torch).
+    growth_factor: multiplies the scale on the ``growth_interval``-th
+      consecutive finite update. Python numbers are used exactly as float64.
+    backoff_factor: multiplies the scale on every update that found inf/NaN.
+    growth_interval: how many consecutive finite updates grow the scale.
+
+  Returns:
+    The new float32 scale and int32 growth tracker.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> scale, tracker = update_loss_scale(
+    ...     jnp.float32(3.0), jnp.int32(0), jnp.bool_(True), backoff_factor=0.3)
+    >>> float(scale), int(tracker)
+    (0.8999999761581421, 0)
+  """
+  loss_scale = jnp.asarray(loss_scale, jnp.float32)
+  growth_tracker = jnp.asarray(growth_tracker, jnp.int32)
+  found = jnp.asarray(found_inf) != 0
+  successful = growth_tracker + jnp.int32(1)  # wraps like torch's int32
+  if isinstance(growth_interval, numbers.Integral) and not (
+      _INT32_MIN <= growth_interval <= _INT32_MAX
+  ):
+    reaches_interval = jnp.zeros([], bool)  # an int32 tracker never equals it
+  else:
+    reaches_interval = successful == jnp.asarray(growth_interval).astype(jnp.int32)
+  grow = ~found & reaches_interval
+  grown = multiply_exact(loss_scale, growth_factor)
+  backed_off = multiply_exact(loss_scale, backoff_factor)
+  new_scale = jnp.where(
+      found, backed_off, jnp.where(grow & jnp.isfinite(grown), grown, loss_scale)
+  )
+  new_tracker = jnp.where(found | grow, jnp.int32(0), successful)
+  return new_scale, new_tracker

@@ -1,0 +1,82 @@
+"""Finding the jaxamp state inside any optimizer state, and scaling the loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._transform import DynamicLossScaleState
+
+
+def _is_loss_scale_state(x: Any) -> bool:
+  return isinstance(x, DynamicLossScaleState)
+
+
+def _opt_state_of(holder: Any) -> Any:
+  """Accepts an optimizer state, or an object holding one in ``.opt_state``
+  (``flax.nnx.Optimizer``, ``flax.training.train_state.TrainState``)."""
+  if not isinstance(holder, tuple) and hasattr(holder, "opt_state"):
+    return holder.opt_state
+  return holder
+
+
+def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
+  """Returns the one :class:`DynamicLossScaleState` inside ``opt_state``.
+
+  It may sit anywhere: bare, in ``optax.chain``, ``optax.multi_transform``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, a ``flax.nnx.Optimizer``
+  (its fields are then ``nnx`` variables) or a ``TrainState``.
+
+  Raises:
+    ValueError: there is no jaxamp state, or more than one.
+  """
+  found = [
+      node
+      for node in jax.tree.leaves(_opt_state_of(opt_state), is_leaf=_is_loss_scale_state)
+      if _is_loss_scale_state(node)
+  ]
+  if len(found) != 1:
+    what = "no" if not found else f"{len(found)}"
+    raise ValueError(
+        f"jaxamp: found {what} DynamicLossScaleState in the optimizer state; "
+        "expected exactly one. Build the optimizer with "
+        "jaxamp.dynamic_loss_scale(inner, ...) and wrap it once."
+    )
+  return found[0]
+
+
+def _array(field: Any) -> jax.Array:
+  """The array in a state field, unwrapping an ``nnx`` variable if present."""
+  (leaf,) = jax.tree.leaves(field)
+  return leaf
+
+
+def get_loss_scale(opt_state: Any) -> jax.Array:
+  """The current loss scale (float32 ``[]``) from a state holding a jaxamp state.
+
+  Examples:
+    >>> import optax, jax.numpy as jnp, jaxamp
+    >>> tx = optax.chain(optax.add_decayed_weights(1e-4),
+    ...                  jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0))
+    >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(3)})))
+    1024.0
+  """
+  return _array(find_loss_scale_state(opt_state).loss_scale)
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+  """``loss * loss_scale`` computed in float32, whatever the loss dtype.
+
+  A float16 loss times the default scale 65536 would be inf in float16; the
+  product here is float32 (as torch's 0-dim float16 loss times its float32
+  scale). Differentiate this and pass the gradients to the optimizer.
+
+  Examples:
+    >>> import optax, jax.numpy as jnp, jaxamp
+    >>> state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(3)})
+    >>> jaxamp.scale_loss(jnp.float16(2.0), state)
+    Array(131072., dtype=float32)
+  """
+  return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)

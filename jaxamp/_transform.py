@@ -1,0 +1,153 @@
+"""``dynamic_loss_scale``: torch's GradScaler iteration as an optax wrapper."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxamp._scale_update import update_loss_scale
+from jaxamp._unscale import unscale_and_check
+from jaxamp._validation import (
+    check_float_gradients,
+    check_hyperparameters,
+    check_same_structure,
+)
+
+
+class DynamicLossScaleState(NamedTuple):
+  """State of :func:`dynamic_loss_scale`.
+
+  Attributes:
+    loss_scale: the scale to multiply the next loss by, float32 ``[]``.
+    growth_tracker: consecutive finite updates since the last growth or
+      backoff, int32 ``[]`` (torch's ``_growth_tracker``).
+    found_inf: whether the last update found inf/NaN and was skipped, bool ``[]``.
+    inner_state: the wrapped transformation's state, untouched by skipped updates.
+  """
+
+  loss_scale: jax.Array
+  growth_tracker: jax.Array
+  found_inf: jax.Array
+  inner_state: optax.OptState
+
+
+def _zeros_like_output(shape_tree: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape_tree)
+
+
+def dynamic_loss_scale(
+    inner: optax.GradientTransformation,
+    *,
+    init_scale: float | jax.Array = 2.0**16,
+    growth_factor: float | jax.Array = 2.0,
+    backoff_factor: float | jax.Array = 0.5,
+    growth_interval: int | jax.Array = 2000,
+    enabled: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
+
+  Multiply the loss by ``get_loss_scale(opt_state)`` (or use
+  :func:`scale_loss`) and pass the gradients of the *scaled* loss to
+  ``update``. Each update does one torch iteration, jitted and without host
+  synchronisation::
+
+    unscaled, found_inf = unscale_and_check(grads, loss_scale)
+    if found_inf:  updates, inner_state = zeros, inner_state      # skipped
+    else:          updates, inner_state = inner.update(unscaled, inner_state, params)
+    loss_scale, growth_tracker = update_loss_scale(...)           # torch's rule
+
+  The inner update is not computed on a skipped step (``lax.cond``), and the
+  inner state comes back bit-identical. Chained transformations inside
+  ``inner`` (e.g. ``optax.clip_by_global_norm``) see unscaled gradients. For
+  gradient accumulation, put ``optax.MultiSteps`` *outside*:
+  ``optax.MultiSteps(dynamic_loss_scale(inner), k)``, so the scale stays fixed
+  within a window and is updated once per optimizer step, as in torch.
+
+  Args:
+    inner: the optimizer to run on unscaled gradients.
+    init_scale: the initial scale (a finite positive float32 number).
+    growth_factor: multiplies the scale after ``growth_interval`` consecutive
+      finite steps (> 1). Python numbers are applied exactly as float64, as torch.
+    backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
+    growth_interval: consecutive finite steps before growing (an int; zero or
+      less never grows, as in torch).
+    enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, there
+      is no check, and ``inner`` sees the gradients as given.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`DynamicLossScaleState`.
+
+  Raises:
+    ValueError: a concrete hyperparameter is invalid (checked at construction;
+      traced values from ``optax.inject_hyperparams`` are not checked).
+    TypeError: a gradient leaf is not floating point (at ``update``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+    >>> grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p), state))(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> updates["w"].tolist(), float(state.loss_scale)
+    ([-0.20000000298023224, -0.20000000298023224], 8.0)
+  """
+  if enabled:
+    check_hyperparameters(
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    scale = jnp.asarray(init_scale if enabled else 1.0, jnp.float32)
+    return DynamicLossScaleState(
+        loss_scale=scale,
+        growth_tracker=jnp.zeros([], jnp.int32),
+        found_inf=jnp.zeros([], bool),
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    check_float_gradients(updates)
+    check_same_structure(updates, params)
+    if not enabled:
+      new_updates, inner_state = inner.update(
+          updates, state.inner_state, params, **extra_args
+      )
+      return new_updates, state._replace(inner_state=inner_state)
+
+    unscaled, found_inf = unscale_and_check(updates, state.loss_scale)
+
+    def apply_inner():
+      return inner.update(unscaled, state.inner_state, params, **extra_args)
+
+    def skip():
+      new_updates_shape, _ = jax.eval_shape(apply_inner)
+      return _zeros_like_output(new_updates_shape), state.inner_state
+
+    new_updates, inner_state = lax.cond(found_inf, skip, apply_inner)
+    loss_scale, growth_tracker = update_loss_scale(
+        state.loss_scale,
+        state.growth_tracker,
+        found_inf,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+    return new_updates, DynamicLossScaleState(
+        loss_scale=loss_scale,
+        growth_tracker=growth_tracker,
+        found_inf=found_inf,
+        inner_state=inner_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,90 @@
+"""Unscaling a gradient tree and checking it for inf/NaN, as torch does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._validation import check_float_gradients
+
+
+def inverse_scale(loss_scale: jax.Array) -> jax.Array:
+  """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale`` (SPEC 3.1).
+
+  For a normal float32 scale this is the correctly rounded float32 division.
+  A subnormal scale (which XLA would read as zero) is handled exactly from its
+  bits, so scales between ``1/FLT_MAX`` and ``2**-126`` give torch's finite
+  reciprocal. A scale above ``2**126`` has a subnormal reciprocal, which XLA
+  flushes to zero where torch keeps it (a documented divergence).
+  """
+  loss_scale = jnp.asarray(loss_scale, jnp.float32)
+  bits = lax.bitcast_convert_type(loss_scale, jnp.int32)
+  fraction = bits & 0x7FFFFF
+  is_subnormal = ((bits & 0x7F800000) == 0) & (fraction != 0)
+  # 1 / (m * 2**-149) = (1/m) * 2**149: exact scaling by powers of two.
+  subnormal_inverse = (1.0 / fraction.astype(jnp.float32)) * jnp.float32(2.0**100)
+  subnormal_inverse = subnormal_inverse * jnp.float32(2.0**49)
+  subnormal_inverse = jnp.where(bits < 0, -subnormal_inverse, subnormal_inverse)
+  return jnp.where(is_subnormal, subnormal_inverse, jnp.float32(1.0) / loss_scale)
+
+
+def _unscale_leaf(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
+  if grad.dtype == jnp.float64:
+    product = grad * inv_scale.astype(jnp.float64)
+  else:  # float32, and float16/bfloat16 in float32 "opmath", cast back
+    product = (grad.astype(jnp.float32) * inv_scale).astype(grad.dtype)
+  return jnp.where(inv_scale == 1.0, grad, product)  # torch's inv == 1 shortcut
+
+
+def _leaf_is_finite(grad: jax.Array) -> jax.Array:
+  # One cheap reduction per leaf: g * 0 is 0 for finite g and NaN otherwise.
+  return jnp.isfinite(jnp.sum(grad * jnp.zeros([], grad.dtype), dtype=jnp.float32))
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every array leaf is finite (``None`` skipped)."""
+  flags = [_leaf_is_finite(leaf) for leaf in jax.tree.leaves(tree)]
+  if not flags:
+    return jnp.ones([], bool)
+  return jnp.all(jnp.stack(flags))
+
+
+def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
+  """Unscales ``grads`` and reports whether they held inf or NaN.
+
+  What torch's ``_amp_foreach_non_finite_check_and_unscale_`` does (SPEC 3.2):
+
+  * detection looks at the still-scaled input, so an overflow produced by the
+    multiplication itself is not reported (as in torch);
+  * each gradient is multiplied by ``inv = f32(1 / f64(loss_scale))``, not
+    divided by the scale; float16 and bfloat16 are multiplied in float32 and
+    cast back, float64 by the float32-rounded ``inv``;
+  * when ``inv == 1`` the gradients pass through untouched;
+  * every gradient is unscaled even when some are not finite.
+
+  Args:
+    grads: a pytree of floating-point arrays (``None`` leaves pass through),
+      gradients of the scaled loss.
+    loss_scale: the float32 scale the loss was multiplied by.
+
+  Returns:
+    ``(unscaled_grads, found_inf)``, with ``found_inf`` a bool scalar.
+
+  Raises:
+    TypeError: a gradient leaf is not a floating-point array.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> grads, found_inf = unscale_and_check(
+    ...     {"w": jnp.array([3.0, jnp.inf])}, jnp.float32(3.0))
+    >>> grads["w"].tolist(), bool(found_inf)
+    ([1.0, inf], True)
+  """
+  check_float_gradients(grads)
+  inv_scale = inverse_scale(loss_scale)
+  found_inf = ~all_finite(grads)
+  unscaled = jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
+  return unscaled, found_inf
