@@ -26,13 +26,23 @@ class DynamicLossScaleState(NamedTuple):
     growth_tracker: consecutive finite updates since the last growth or
       backoff, int32 ``[]`` (torch's ``_growth_tracker``).
     found_inf: whether the last update found inf/NaN and was skipped, bool ``[]``.
+    skipped_steps: total skipped updates, int32 ``[]`` (saturates at 2**31-1).
+    consecutive_skipped_steps: skipped updates since the last applied one,
+      int32 ``[]`` (saturating).
     inner_state: the wrapped transformation's state, untouched by skipped updates.
   """
 
   loss_scale: jax.Array
   growth_tracker: jax.Array
   found_inf: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skipped_steps: jax.Array
   inner_state: optax.OptState
+
+
+def _count_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
+  """``counter + 1`` where ``condition`` holds, saturating at the int32 maximum."""
+  return jnp.where(condition, optax.safe_increment(counter), counter)
 
 
 def _zeros_like_output(shape_tree: Any) -> Any:
@@ -113,6 +123,8 @@ def dynamic_loss_scale(
         loss_scale=scale,
         growth_tracker=jnp.zeros([], jnp.int32),
         found_inf=jnp.zeros([], bool),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skipped_steps=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params),
     )
 
@@ -147,6 +159,10 @@ def dynamic_loss_scale(
         loss_scale=loss_scale,
         growth_tracker=growth_tracker,
         found_inf=found_inf,
+        skipped_steps=_count_if(found_inf, state.skipped_steps),
+        consecutive_skipped_steps=jnp.where(
+            found_inf, _count_if(found_inf, state.consecutive_skipped_steps), 0
+        ),
         inner_state=inner_state,
     )
 
