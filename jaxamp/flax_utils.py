@@ -1,0 +1,231 @@
+"""Flax glue: a loss-scaling ``value_and_grad`` and per-step metrics.
+
+Import it as ``from jaxamp import flax_utils``; the core ``jaxamp`` package does
+not import flax. Both helpers work inside ``nnx.jit`` and ``jax.jit`` and never
+synchronise with the host.
+
+An NNX step (``nnx.Optimizer``)::
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    grad_fn = flax_utils.scaled_value_and_grad(loss_fn, optimizer)
+    loss, grads = grad_fn(model, x, y)      # unscaled loss, scaled grads
+    optimizer.update(model, grads)           # unscales, maybe skips
+    return loss, flax_utils.loss_scale_metrics(optimizer)
+
+A linen step (``TrainState``)::
+
+  @jax.jit
+  def train_step(state, x, y):
+    grad_fn = flax_utils.scaled_value_and_grad(loss_fn, state)
+    loss, grads = grad_fn(state.params, x, y)
+    state = state.apply_gradients(grads=grads)
+    return state, loss, flax_utils.loss_scale_metrics(state)
+
+Read the total number of skipped updates from ``metrics["skipped_steps"]``:
+``nnx.Optimizer.step`` and ``TrainState.step`` count every update call,
+skipped or applied, so the updates actually applied are
+``step - skipped_steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxamp._state_access import find_loss_scale_state, get_loss_scale
+
+_FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def _value(field: Any) -> jax.Array:
+  """The array in a state field, unwrapping an ``nnx`` variable if present."""
+  (leaf,) = jax.tree.leaves(field)
+  return leaf
+
+
+def _check_loss(loss: Any, has_aux: bool) -> None:
+  """Raises a clear error for a loss that cannot be scaled correctly."""
+  if isinstance(loss, (tuple, list)) and not has_aux:
+    raise TypeError(
+        f"jaxamp: the loss function returned a {type(loss).__name__}, not a scalar "
+        "loss. If it returns (loss, aux), pass has_aux=True."
+    )
+  dtype, shape = getattr(loss, "dtype", None), getattr(loss, "shape", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    kind = f"dtype {dtype}" if dtype is not None else f"type {type(loss).__name__}"
+    raise TypeError(
+        f"jaxamp: the loss has {kind}; it must be a floating-point jax array "
+        "(float32 recommended) to be differentiated and scaled."
+    )
+  if shape != ():
+    raise ValueError(
+        f"jaxamp: the loss must be a scalar, got shape {shape}. Reduce it inside "
+        "the loss function, e.g. return jnp.mean(per_example_losses)."
+    )
+  if jnp.dtype(dtype) == jnp.float16:
+    raise TypeError(
+        "jaxamp: the loss is float16. Its gradient starts from the loss scale "
+        f"cast to float16, which overflows (float16 max {_FLOAT16_MAX:g}, default "
+        "scale 65536), so every update would be skipped. Compute the loss in "
+        "float32 from float32 values, e.g. "
+        "optax.softmax_cross_entropy_with_integer_labels("
+        "logits.astype(jnp.float32), labels).mean(). Casting the finished "
+        "float16 loss to float32 does not help: its gradient is cast back."
+    )
+
+
+def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
+  """Raises if the scale is a constant while the step's inputs are traced.
+
+  That happens when the optimizer (or TrainState) was captured from outside a
+  jitted step instead of being passed in: the scale would be frozen.
+  """
+  if isinstance(scale, jax.core.Tracer):
+    return
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+    raise ValueError(
+        "jaxamp: the loss scale is a constant inside this traced step, so it "
+        "would stay frozen at its current value. The optimizer (or TrainState) "
+        "given to scaled_value_and_grad was captured from outside the jitted "
+        "function: pass it to the step as an argument and call "
+        "scaled_value_and_grad inside the step with that argument."
+    )
+
+
+def scaled_value_and_grad(
+    fn: Callable[..., Any],
+    opt_state_or_optimizer: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """``value_and_grad`` of ``fn`` with the loss multiplied by the loss scale.
+
+  The returned function evaluates ``fn``, multiplies its loss by the current
+  loss scale in float32 (:func:`jaxamp.scale_loss`), and differentiates the
+  product. It returns the *unscaled* loss (and ``aux``) with the gradients of
+  the *scaled* loss, which is what ``optimizer.update`` and
+  ``TrainState.apply_gradients`` expect from a :func:`jaxamp.dynamic_loss_scale`
+  optimizer.
+
+  With an ``nnx.Optimizer`` it differentiates with ``nnx.value_and_grad``
+  (``fn`` takes ``nnx`` modules); with anything else (a ``TrainState`` or a
+  bare optax state) with ``jax.value_and_grad`` (``fn`` takes parameters).
+  The scale is read from ``opt_state_or_optimizer`` on every call, so inside a
+  jitted step create this function from the optimizer or state the step
+  receives as an argument.
+
+  Args:
+    fn: the loss function. It returns a scalar floating-point loss, or
+      ``(loss, aux)`` with ``has_aux=True``. Return float32 (or bfloat16 or
+      float64); a float16 loss is refused (see Raises).
+    opt_state_or_optimizer: an ``nnx.Optimizer``, a ``TrainState`` or an optax
+      state holding exactly one :class:`jaxamp.DynamicLossScaleState`.
+    argnums: which positional arguments to differentiate, as in
+      ``jax.value_and_grad`` (an ``nnx.DiffState`` is accepted for NNX).
+    has_aux: whether ``fn`` returns ``(loss, aux)``.
+
+  Returns:
+    A function with ``fn``'s arguments returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux=True``. ``loss`` is unscaled and in
+    ``fn``'s dtype; ``grads`` are gradients of ``loss * scale``.
+
+  Raises:
+    ValueError: ``opt_state_or_optimizer`` holds no jaxamp state, or several
+      (at creation); the loss is not a scalar; the optimizer was captured from
+      outside the traced step, so the scale would be a frozen constant.
+    TypeError: the loss is not a floating-point array (or a tuple without
+      ``has_aux=True``), or is float16: the gradient of a float16 loss starts
+      from the scale cast to float16, which overflows at the default scale
+      65536. Compute the loss in float32 from float32 logits.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> from flax import nnx
+    >>> from jaxamp import flax_utils
+    >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0),
+    ...     wrt=nnx.Param)
+    >>> def loss_fn(model, x):
+    ...   return jnp.sum(model(x)) ** 2
+    >>> x = jnp.ones((1, 2))
+    >>> loss, grads = flax_utils.scaled_value_and_grad(loss_fn, optimizer)(model, x)
+    >>> bool(loss == loss_fn(model, x))
+    True
+    >>> _, unscaled = nnx.value_and_grad(loss_fn)(model, x)
+    >>> bool(jnp.all(grads["kernel"][...] == 8.0 * unscaled["kernel"][...]))
+    True
+  """
+  find_loss_scale_state(opt_state_or_optimizer)  # fail early when there is none
+  is_nnx = isinstance(opt_state_or_optimizer, nnx.Optimizer)
+
+  def scaled_fn(*args, **kwargs):
+    out = fn(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            "jaxamp: with has_aux=True the loss function must return (loss, aux), "
+            f"got {type(out).__name__}."
+        )
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    _check_loss(loss, has_aux)
+    scale = get_loss_scale(opt_state_or_optimizer)
+    return jnp.asarray(loss).astype(jnp.float32) * scale, (loss, aux)
+
+  transform = nnx.value_and_grad if is_nnx else jax.value_and_grad
+  grad_fn = transform(scaled_fn, argnums=argnums, has_aux=True)
+
+  def value_and_scaled_grad(*args, **kwargs):
+    _check_scale_is_live(get_loss_scale(opt_state_or_optimizer), (args, kwargs))
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return value_and_scaled_grad
+
+
+def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
+  """The loss-scale state as a dict of arrays, for logging without a host sync.
+
+  Call it after the update, inside the jitted step, and return the dict from
+  the step; convert to Python numbers only when logging.
+
+  Args:
+    opt_state_or_optimizer: an ``nnx.Optimizer``, a ``TrainState`` or an optax
+      state holding exactly one :class:`jaxamp.DynamicLossScaleState`.
+
+  Returns:
+    ``loss_scale`` (float32, the scale the *next* loss will be multiplied by),
+    ``skipped`` (bool, whether the last update found inf/NaN and was skipped),
+    ``skipped_steps`` (int32, total skipped updates: read this one, not
+    ``nnx.Optimizer.step`` or ``TrainState.step``, which count skipped updates
+    too) and ``consecutive_skipped_steps`` (int32, skipped since the last
+    applied update). All are arrays of shape ``[]``.
+
+  Raises:
+    ValueError: there is no jaxamp state in ``opt_state_or_optimizer``, or
+      more than one.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> from jaxamp import flax_utils
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> _, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state)
+    >>> {k: v.item() for k, v in flax_utils.loss_scale_metrics(state).items()}
+    {'loss_scale': 4.0, 'skipped': True, 'skipped_steps': 1, 'consecutive_skipped_steps': 1}
+  """
+  state = find_loss_scale_state(opt_state_or_optimizer)
+  return {
+      "loss_scale": _value(state.loss_scale),
+      "skipped": _value(state.found_inf),
+      "skipped_steps": _value(state.skipped_steps),
+      "consecutive_skipped_steps": _value(state.consecutive_skipped_steps),
+  }
