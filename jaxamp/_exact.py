@@ -5,9 +5,11 @@ float32 scale and a float64 factor, rounded once to float32. JAX runs in 32-bit
 mode by default and XLA flushes subnormals, so a plain ``scale * factor`` in
 float32 differs from torch for about a quarter of non-dyadic factors (SPEC 3.3).
 
-This module reproduces the rounding exactly with int32 arithmetic: both operands
-are unpacked into integer significands, multiplied exactly in 12-bit limbs, and
-the product is rounded to nearest-even at float32 precision, subnormals included.
+This module reproduces it exactly with int32 arithmetic: both operands are
+unpacked into integer significands and multiplied exactly in 12-bit limbs; the
+product is then rounded to nearest-even twice, as torch does: to float64 (53
+bits), then to float32 (24 bits), subnormals included. Rounding once would
+differ from torch where the float64 product lands on a float32 tie.
 It is scalar work, done once per step.
 """
 
@@ -93,30 +95,60 @@ def _product_bits(a: list, b: list):
   for i, x in enumerate(a):
     for j, y in enumerate(b):
       columns[i + j] = columns[i + j] + x * y  # each term < 2**24
-  limbs, carry = [], jnp.zeros([], jnp.int32)
-  for column in columns:
-    total = column + carry
-    limbs.append(total & _LIMB_MASK)
-    carry = total >> _LIMB_BITS
+  return _limbs_to_bits(_add_limbs(columns, [jnp.zeros([], jnp.int32)] * _PRODUCT_LIMBS))
+
+
+def _limbs_to_bits(limbs):
   positions = jnp.arange(_LIMB_BITS, dtype=jnp.int32)
   return ((jnp.stack(limbs)[:, None] >> positions) & 1).reshape(-1)
 
 
-def _round_to_f32_bits(bits, exponent):
-  """Rounds ``sum(bits[i] * 2**(i + exponent))`` to float32 bits (sign 0)."""
+def _bits_to_limbs(bits):
+  positions = jnp.arange(_LIMB_BITS, dtype=jnp.int32)
+  return list(jnp.sum(bits.reshape(_PRODUCT_LIMBS, _LIMB_BITS) << positions, axis=1))
+
+
+def _add_limbs(a: list, b: list) -> list:
+  limbs, carry = [], jnp.zeros([], jnp.int32)
+  for x, y in zip(a, b):
+    total = x + y + carry
+    limbs.append(total & _LIMB_MASK)
+    carry = total >> _LIMB_BITS
+  return limbs
+
+
+def _bit_length(bits):
   index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
-  bit_length = jnp.max(jnp.where(bits != 0, index + 1, 0))
-  # Keep 24 significant bits, or fewer where the result is subnormal (2**-149).
-  shift = jnp.maximum(bit_length - 24, -149 - exponent)
-  kept_mask = (index >= shift) & (index < shift + 24)
-  kept = jnp.sum(jnp.where(kept_mask, bits << jnp.clip(index - shift, 0, 23), 0))
+  return jnp.max(jnp.where(bits != 0, index + 1, 0))
+
+
+def _lsb_shift(bits, exponent, precision, min_exponent):
+  """Index of the lowest bit kept at ``precision`` bits, LSB >= 2**min_exponent."""
+  return jnp.maximum(_bit_length(bits) - precision, min_exponent - exponent)
+
+
+def _round_nearest_even(bits, exponent, precision, min_exponent):
+  """Rounds ``sum(bits[i] * 2**(i + exponent))`` to ``precision`` significant
+  bits with no bit below ``2**min_exponent``; returns the result's bits on the
+  same grid. (1 - 2**-24) * 2**128 and above is left to the caller to overflow."""
+  index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
+  shift = _lsb_shift(bits, exponent, precision, min_exponent)
   round_bit = jnp.sum(jnp.where(index == shift - 1, bits, 0))
   sticky = jnp.any((bits != 0) & (index < shift - 1)).astype(jnp.int32)
-  significand = kept + (round_bit & (sticky | (kept & 1)))
+  lsb = jnp.sum(jnp.where(index == shift, bits, 0))
+  increment = jnp.where(index == shift, round_bit & (sticky | lsb), 0)
+  truncated = jnp.where(index >= shift, bits, 0)
+  return _limbs_to_bits(_add_limbs(_bits_to_limbs(truncated), _bits_to_limbs(increment)))
+
+
+def _pack_f32_bits(bits, exponent):
+  """Float32 bits (sign 0) of a value that float32 represents, or of inf."""
+  index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
+  shift = _lsb_shift(bits, exponent, 24, -149)
+  significand = jnp.sum(
+      jnp.where(index >= shift, bits << jnp.clip(index - shift, 0, 24), 0)
+  )
   lsb_exponent = shift + exponent
-  carried = significand == (1 << 24)
-  significand = jnp.where(carried, 1 << 23, significand)
-  lsb_exponent = jnp.where(carried, lsb_exponent + 1, lsb_exponent)
   biased = jnp.where(significand >= (1 << 23), lsb_exponent + 150, 0)
   finite_bits = (biased << 23) | (significand & 0x7FFFFF)
   return jnp.where(biased >= 0xFF, 0x7F800000, finite_bits)
@@ -153,9 +185,12 @@ def multiply_by_f64_words(x, hi, lo):
 
 def _multiply(x, b: _Unpacked):
   a = _unpack_f32(x)
-  magnitude_bits = _round_to_f32_bits(
-      _product_bits(a.limbs, b.limbs), a.exponent + b.exponent
-  )
+  exponent = a.exponent + b.exponent
+  bits = _product_bits(a.limbs, b.limbs)
+  # torch rounds twice: the float64 product, then the cast to float32.
+  bits = _round_nearest_even(bits, exponent, 53, -1074)
+  bits = _round_nearest_even(bits, exponent, 24, -149)
+  magnitude_bits = _pack_f32_bits(bits, exponent)
   sign = (a.sign ^ b.sign).astype(jnp.int32) << 31
   result = lax.bitcast_convert_type(magnitude_bits | sign, jnp.float32)
   inf = jnp.where(a.sign ^ b.sign, -jnp.inf, jnp.inf).astype(jnp.float32)

@@ -6,11 +6,19 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
 from jaxamp._exact import multiply_exact
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _is_nonzero(x: jax.Array) -> jax.Array:
+  """``x != 0`` read from the bits, so a subnormal float counts (XLA flushes it)."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x != 0
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return (bits & 0x7FFFFFFF) != 0
 
 
 def update_loss_scale(
@@ -61,7 +69,7 @@ def update_loss_scale(
   """
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   growth_tracker = jnp.asarray(growth_tracker, jnp.int32)
-  found = jnp.asarray(found_inf) != 0
+  found = _is_nonzero(jnp.asarray(found_inf))
   successful = growth_tracker + jnp.int32(1)  # wraps like torch's int32
   if isinstance(growth_interval, numbers.Integral) and not (
       _INT32_MIN <= growth_interval <= _INT32_MAX

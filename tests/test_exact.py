@@ -1,0 +1,147 @@
+"""The float64-then-round product, emulated in float32, against numpy float64."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxamp._exact import multiply_by_f64_words, multiply_exact
+
+
+def _f64_words(factors):
+  words = np.asarray(factors, np.float64).view(np.uint64)
+  hi = (words >> np.uint64(32)).astype(np.uint32).view(np.int32)
+  lo = (words & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+  return hi, lo
+
+
+def _reference(scales, factors):
+  with np.errstate(all="ignore"):
+    return (np.asarray(scales, np.float32).astype(np.float64) * factors).astype(np.float32)
+
+
+def _assert_bit_equal(actual, expected):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  same = (actual.view(np.uint32) == expected.view(np.uint32)) | (
+      np.isnan(actual) & np.isnan(expected)
+  )
+  bad = np.flatnonzero(~same)
+  assert bad.size == 0, f"{bad.size} mismatches, e.g. {actual[bad[:5]]} vs {expected[bad[:5]]}"
+
+
+def test_multiply_exact_matches_float64_reference_on_random_pairs():
+  rng = np.random.default_rng(20261130)
+  n = 50_000
+  # Scales: uniform over all float32 bit patterns (subnormals, both signs, up to
+  # FLT_MAX), plus scales near the float32 limits and typical loss scales.
+  all_bits = rng.integers(0, 0x7F800000, n, dtype=np.int64).astype(np.uint32).view(np.float32)
+  near_max = np.float32(np.finfo(np.float32).max) / rng.uniform(1, 8, n).astype(np.float32)
+  near_min = (rng.integers(1, 1 << 25, n) * np.float64(2.0**-149)).astype(np.float32)
+  typical = np.float32(2.0) ** rng.integers(-30, 40, n).astype(np.float32) * rng.choice(
+      np.array([1, 3, 1.5, 0.3, 7], np.float32), n
+  )
+  scales = np.concatenate([all_bits, near_max, near_min, typical])
+  scales = np.where(rng.random(scales.size) < 0.1, -scales, scales).astype(np.float32)
+  m = scales.size
+  factors = np.concatenate([
+      rng.uniform(0.0, 1.0, m // 4),  # non-dyadic backoffs
+      rng.uniform(1.0, 3.0, m // 4),  # non-dyadic growths
+      np.exp(rng.uniform(-120, 120, m // 4)),  # far from 1: overflow/underflow
+      rng.integers(0, 2**63, m - 3 * (m // 4), dtype=np.uint64).view(np.float64),
+  ])
+  factors = np.where(np.isfinite(factors), factors, 0.3)[rng.permutation(m)]
+  assert m >= 100_000
+
+  hi, lo = _f64_words(factors)
+  actual = jax.jit(jax.vmap(multiply_by_f64_words))(scales, hi, lo)
+  expected = _reference(scales, factors)
+  _assert_bit_equal(actual, expected)
+  # The test must exercise the hard cases, not only the easy ones.
+  with np.errstate(all="ignore"):
+    pure_f32 = (scales * factors.astype(np.float32)).astype(np.float32)
+  assert np.sum(pure_f32.view(np.uint32) != expected.view(np.uint32)) > 10_000
+  assert np.sum((expected != 0) & (np.abs(expected) < 2.0**-126)) > 1_000  # subnormal
+  assert np.sum(np.isinf(expected)) > 1_000
+
+
+@pytest.mark.parametrize(
+    "scale,factor",
+    [
+        (3.0, 0.3),
+        (2.0**127, 2.0),
+        (1.7e38, 2),
+        (3e38, 2.0),
+        (2.0**-149, 0.5),  # a tie, rounds to even: 0
+        (2.0**-149, 0.75),
+        (3 * 2.0**-149, 0.5),
+        (8.0, 1e39),  # a factor beyond float32 range
+        (1.0, 1.00000001),  # a growth too close to 1 is a no-op
+        (-4.0, 2.0),
+        (0.0, 2.0),
+        (-0.0, 0.5),
+        (np.inf, 0.5),
+        (-np.inf, 2.0),
+        (np.nan, 2.0),
+        (np.inf, 0.0),
+        (5e-324 * 0 + 1.5, 5e-324),  # a subnormal float64 factor
+    ],
+)
+def test_multiply_exact_special_values(scale, factor):
+  actual = jax.jit(lambda s: multiply_exact(s, factor))(jnp.float32(scale))
+  _assert_bit_equal(actual, _reference(np.float32(scale), factor))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32])
+def test_multiply_exact_traced_factor_uses_its_own_value(dtype):
+  rng = np.random.default_rng(1)
+  scales = rng.uniform(0.001, 1e6, 2000).astype(np.float32)
+  if dtype == jnp.int32:
+    factors = rng.integers(1, 100, 2000)
+  else:
+    factors = rng.uniform(0.01, 4.0, 2000)
+  factors = np.asarray(jnp.asarray(factors, dtype).astype(jnp.float32)).astype(np.float64)
+  actual = jax.jit(jax.vmap(multiply_exact))(scales, jnp.asarray(factors, dtype))
+  _assert_bit_equal(actual, _reference(scales, factors))
+
+
+def test_multiply_exact_python_float_equals_word_path():
+  # A Python float factor goes through the same unpacking as the word path.
+  for factor in (0.3, 1.5, 1.1, 0.9, 1e-30, 7.0):
+    hi, lo = _f64_words([factor])
+    a = multiply_exact(jnp.float32(3.0), factor)
+    b = multiply_by_f64_words(jnp.float32(3.0), hi[0], lo[0])
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_multiply_exact_rounds_twice_like_torch_near_float32_ties():
+  # torch rounds the float64 product, then casts to float32. Where the float64
+  # product lands on a float32 tie this differs from rounding once (SPEC 5.4:
+  # 2.593742609024048 * 0.9 -> 2.3343682289123535, rounding once gives ...84673).
+  rng = np.random.default_rng(7)
+  n = 50_000
+  scales = rng.uniform(1.0, 2.0, n).astype(np.float32) * np.float32(2.0) ** rng.integers(
+      -100, 100, n
+  ).astype(np.float32)
+  targets = (rng.uniform(0.5, 4.0, n).astype(np.float32)).astype(np.float64)
+  ties = targets + np.spacing(targets.astype(np.float32)).astype(np.float64) / 2
+  factors = ties * (1 + rng.integers(-4, 5, n) * 2.0**-53) / scales.astype(np.float64)
+  hi, lo = _f64_words(factors)
+  actual = jax.jit(jax.vmap(multiply_by_f64_words))(scales, hi, lo)
+  expected = _reference(scales, factors)
+  _assert_bit_equal(actual, expected)
+  # Rounding the exact product once would differ in some of these cases.
+  once = [_round_once_to_f32(s, f) for s, f in zip(scales[:3000], factors[:3000])]
+  assert sum(o != e for o, e in zip(once, expected[:3000])) > 10
+
+
+def _round_once_to_f32(scale, factor):
+  """The exact product rounded once to float32 (nearest, ties to even)."""
+  exact = Fraction(float(scale)) * Fraction(float(factor))
+  guess = np.float32(float(exact))
+  candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+  return min(
+      candidates,
+      key=lambda c: (abs(Fraction(float(c)) - exact), int(np.asarray(c).view(np.uint32)) & 1),
+  )
