@@ -24,10 +24,11 @@ def inverse_scale(loss_scale: jax.Array) -> jax.Array:
   bits = lax.bitcast_convert_type(loss_scale, jnp.int32)
   fraction = bits & 0x7FFFFF
   is_subnormal = ((bits & 0x7F800000) == 0) & (fraction != 0)
-  # 1 / (m * 2**-149) = (1/m) * 2**149: exact scaling by powers of two.
-  subnormal_inverse = (1.0 / fraction.astype(jnp.float32)) * jnp.float32(2.0**100)
-  subnormal_inverse = subnormal_inverse * jnp.float32(2.0**49)
-  subnormal_inverse = jnp.where(bits < 0, -subnormal_inverse, subnormal_inverse)
+  # 1 / (m * 2**-149) = (1/m) * 2**149, scaled in the exponent bits (exact).
+  reciprocal_bits = lax.bitcast_convert_type(1.0 / fraction.astype(jnp.float32), jnp.int32)
+  overflows = (reciprocal_bits >> 23) + 149 >= 0xFF
+  scaled_bits = jnp.where(overflows, 0x7F800000, reciprocal_bits + (149 << 23))
+  subnormal_inverse = lax.bitcast_convert_type(scaled_bits | (bits & ~0x7FFFFFFF), jnp.float32)
   return jnp.where(is_subnormal, subnormal_inverse, jnp.float32(1.0) / loss_scale)
 
 

@@ -1,0 +1,136 @@
+"""``unscale_and_check`` against torch's unscale kernel (SPEC 3.1, 3.2, 5.8)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+GRADS = [1.0, 10.0, 100.0, 12345.0]
+
+# SPEC 5.8, measured on torch 2.13 (p04): (scale, dtype, torch's unscaled grads).
+SPEC_5_8 = [
+    (3.0, jnp.float32, [0.3333333432674408, 3.3333334922790527, 33.333335876464844, 4115.0]),
+    (3.0, jnp.float16, [0.333251953125, 3.333984375, 33.34375, 4116.0]),
+    (3.0, jnp.bfloat16, [0.333984375, 3.328125, 33.25, 4128.0]),
+    (
+        196608.0,
+        jnp.float32,
+        [5.086263172415784e-06, 5.086263263365254e-05, 0.0005086263408884406, 0.0627899169921875],
+    ),
+    (0.1, jnp.float32, [10.0, 100.0, 1000.0, 123450.0]),
+    (0.1, jnp.float16, [10.0, 100.0, 1000.0, float("inf")]),
+    (7.0, jnp.float32, [0.1428571492433548, 1.4285714626312256, 14.285715103149414, 1763.571533203125]),
+]
+
+
+@pytest.mark.parametrize("scale,dtype,expected", SPEC_5_8)
+def test_unscale_and_check_matches_torch_unscale(scale, dtype, expected):
+  grads = {"g": jnp.asarray(GRADS, dtype)}
+  unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(scale))
+  assert unscaled["g"].dtype == dtype
+  want = np.asarray(jnp.asarray(expected, dtype))
+  assert np.asarray(unscaled["g"]).tobytes() == want.tobytes()
+  assert not bool(found_inf)  # the fp16 overflow to inf is not detected, as in torch
+
+
+def test_unscale_and_check_float64_matches_torch():
+  with jax.enable_x64(True):
+    grads = jnp.asarray(GRADS, jnp.float64)
+    unscaled, _ = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(3.0))
+    expected = [0.3333333432674408, 3.333333432674408, 33.33333432674408, 4115.000122636557]
+    assert unscaled.dtype == jnp.float64
+    assert np.asarray(unscaled).tobytes() == np.asarray(expected, np.float64).tobytes()
+
+
+def test_unscale_and_check_multiplies_by_reciprocal_not_divides():
+  # SPEC 3.2: with scale 3, about a third of float32 grads differ from g / 3.
+  grads = np.random.default_rng(0).normal(0, 300, 100_000).astype(np.float32)
+  unscaled, _ = jaxamp.unscale_and_check(jnp.asarray(grads), jnp.float32(3.0))
+  inv = np.float32(1.0 / np.float64(np.float32(3.0)))
+  assert np.asarray(unscaled).tobytes() == (grads * inv).tobytes()
+  assert np.sum(np.asarray(unscaled) != grads / np.float32(3.0)) > 20_000
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("position", [0, "middle", -1])
+@pytest.mark.parametrize("size", [1, 7, 1000, 100_003])
+def test_unscale_and_check_detects_any_non_finite(dtype, bad, position, size):
+  grads = np.ones(size, np.float32)
+  index = size // 2 if position == "middle" else position
+  grads[index] = bad
+  clean = {"a": jnp.ones((3, 4), dtype), "b": None}
+  tree = dict(clean, c=jnp.asarray(grads, dtype))
+  check = jax.jit(jaxamp.unscale_and_check)
+  assert bool(check(tree, jnp.float32(4.0))[1])
+  assert not bool(check(clean, jnp.float32(4.0))[1])
+
+
+def test_unscale_and_check_detects_on_scaled_input_not_on_product():
+  # SPEC 3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling, unnoticed.
+  grads = jnp.asarray([3e38], jnp.bfloat16)
+  unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(0.5))
+  assert np.isinf(np.asarray(unscaled, np.float32)[0]) and not bool(found_inf)
+
+
+def test_unscale_and_check_unscales_even_when_not_finite():
+  # Scenario 25: grads [8, 16, inf] at scale 4 -> [2, 4, inf].
+  unscaled, found_inf = jaxamp.unscale_and_check(jnp.array([8.0, 16.0, np.inf]), jnp.float32(4))
+  assert unscaled.tolist() == [2.0, 4.0, np.inf] and bool(found_inf)
+
+
+def test_unscale_and_check_inverse_one_passes_values_through():
+  # inv == 1: torch leaves the values untouched: -0.0 and a subnormal keep their
+  # bits (XLA would flush a subnormal times 1.0 to zero).
+  grads = np.array([-0.0, 1e-40, 3.0, np.nan], np.float32)
+  unscaled, _ = jax.jit(jaxamp.unscale_and_check)(jnp.asarray(grads), jnp.float32(1.0))
+  assert np.asarray(unscaled).tobytes() == grads.tobytes()
+
+
+def test_unscale_and_check_none_leaves_and_empty_trees():
+  unscaled, found_inf = jaxamp.unscale_and_check({"a": None, "b": [jnp.ones(2) * 4]}, 2.0)
+  assert unscaled["a"] is None and unscaled["b"][0].tolist() == [2.0, 2.0]
+  assert not bool(found_inf)
+  assert jaxamp.unscale_and_check({}, 2.0)[0] == {}
+
+
+@pytest.mark.parametrize(
+    "leaf,kind",
+    [
+        (jnp.ones(2, jnp.int32), "dtype int32"),
+        (jnp.ones(2, bool), "dtype bool"),
+        (jnp.ones(2, jnp.complex64), "dtype complex64"),
+        (3.0, "type float"),
+    ],
+)
+def test_unscale_and_check_rejects_non_float_leaves(leaf, kind):
+  with pytest.raises(TypeError, match=rf"gradient leaf \['w'\]\[1\] has {kind}"):
+    jaxamp.unscale_and_check({"w": [jnp.ones(2), leaf]}, 2.0)
+
+
+def test_inverse_scale_matches_float64_reciprocal():
+  rng = np.random.default_rng(3)
+  scales = np.concatenate([
+      rng.integers(0x00800000, 0x7E800000, 100_000).astype(np.uint32).view(np.float32),
+      np.float32([3.0, 7.0, 0.1, 65536.0, 2.0**-126, 2.0**126]),
+  ])
+  expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+  actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
+  assert actual.tobytes() == expected.tobytes()
+
+
+def test_inverse_scale_of_subnormal_scale_matches_torch():
+  # SPEC 3.1: 2^-127 -> 1.7014118346046923e+38 (finite); 1e-39 -> inf.
+  scales = np.float32([2.0**-127, 1e-39, 2.0**-149, 4e-39, -2.0**-127])
+  with np.errstate(all="ignore"):
+    expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+  actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
+  assert actual.tobytes() == expected.tobytes()
+  assert actual[0] == np.float32(1.7014118346046923e38) and np.isinf(actual[1])
+
+
+def test_inverse_scale_above_2_126_flushes_to_zero_documented_divergence():
+  # torch keeps the subnormal reciprocal 5.877e-39 of 2^127; XLA flushes it.
+  assert float(jax.jit(jaxamp.inverse_scale)(jnp.float32(2.0**127))) == 0.0
