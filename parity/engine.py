@@ -1,0 +1,266 @@
+"""Runs one scenario in torch and in jaxamp side by side and compares every step.
+
+Each step, in both frameworks: gradients of the scaled loss, scripted inf/NaN
+written into the *scaled* gradients at the same positions, then the scaler's
+step (torch: ``unscale_`` / clipping / ``step`` / ``update``; jaxamp: one
+``tx.update``). After every step the suite compares:
+
+* the scale used and the scale after, float32 bit for bit; the growth tracker
+  exactly; each optimizer's skip decision exactly;
+* ``jaxamp.unscale_and_check`` on *torch's* scaled gradients against torch's
+  unscaled ``.grad``, bit for bit, and its found-inf flag against torch's;
+* parameters and optimizer states within the scenario's relative tolerance
+  (``max |jax - torch| / max |torch|`` per tensor; inf/NaN positions must match
+  exactly); Adam step counts exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity import drivers
+from parity.models import Pair, to_torch_tensor
+from parity.optimizers import make_torch, torch_state
+
+_MAX_FAILURES = 5
+
+
+@dataclasses.dataclass
+class Result:
+  """What one scenario run found; ``passed`` is the verdict."""
+
+  scenario: str
+  api: str
+  steps: int
+  param_rtol: float
+  scale_match: bool = True
+  tracker_match: bool = True
+  skips_match: bool = True
+  unscale_bits_match: bool | None = None
+  max_param_diff: float = 0.0
+  max_state_diff: float = 0.0
+  skipped_steps: int = 0
+  seconds: float = 0.0
+  failures: list[str] = dataclasses.field(default_factory=list)
+  curves: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def passed(self) -> bool:
+    return not self.failures
+
+  def fail(self, step: int, message: str) -> None:
+    if len(self.failures) < _MAX_FAILURES:
+      self.failures.append(f"step {step}: {message}")
+
+  def record(self, key: str, value: float) -> None:
+    self.curves.setdefault(key, []).append(float(value))
+
+
+def relative_difference(jax_value: np.ndarray, torch_value: np.ndarray) -> float:
+  """``max |a - b| / max |b|`` over finite entries; ``inf`` if the non-finite
+  entries (NaN, +inf, -inf) are not at the same places with the same values."""
+  a = np.asarray(jax_value, np.float64)
+  b = np.asarray(torch_value, np.float64)
+  if a.shape != b.shape:
+    return math.inf
+  finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+  if (finite_a != finite_b).any():
+    return math.inf
+  nonfinite = ~finite_a
+  if not np.array_equal(a[nonfinite], b[nonfinite], equal_nan=True):
+    return math.inf
+  if not finite_a.any():
+    return 0.0
+  diff = np.max(np.abs(a[finite_a] - b[finite_a]))
+  if diff == 0.0:
+    return 0.0
+  scale = np.max(np.abs(b[finite_b]))
+  return float(diff / scale) if scale > 0 else math.inf
+
+
+def _bits(a: np.ndarray) -> bytes:
+  a = np.ascontiguousarray(a)
+  return a.dtype.str.encode() + a.tobytes()
+
+
+def _f32(value: float) -> np.float32:
+  return np.float32(value)
+
+
+class TorchRun:
+  """The torch side: ``torch.amp.GradScaler('cpu', ...)`` and torch.optim."""
+
+  def __init__(self, scenario, pair: Pair):
+    self.scenario, self.pair = scenario, pair
+    self.scaler = torch.amp.GradScaler("cpu", **scenario.scaler)
+    if scenario.initial_tracker is not None:
+      self.scaler.load_state_dict(
+          {**_torch_hyper(scenario), "_growth_tracker": scenario.initial_tracker}
+      )
+    self.optimizers = [make_torch(spec, pair) for spec in scenario.optimizers]
+    self.named = dict(pair.torch_module.named_parameters())
+
+  def step(self, step: int) -> dict[str, Any]:
+    sc, scaler = self.scenario, self.scaler
+    for opt in self.optimizers:
+      opt.zero_grad(set_to_none=True)
+    losses = []
+    for micro in range(sc.accumulate):
+      loss = self.pair.torch_loss(
+          self.pair.torch_module, self.pair.batch(step * sc.accumulate + micro), sc.autocast
+      )
+      scaler.scale(loss).backward()
+      losses.append(loss.item())
+    scale_used = _f32(scaler.get_scale())
+    for name, index, value in sc.inject.get(step, ()):
+      with torch.no_grad():
+        self.named[name].grad.view(-1)[index] = value
+    scaled = self.pair.torch_arrays("grad")
+    unscaled = None
+    if sc.clip is not None:
+      for opt in self.optimizers:
+        scaler.unscale_(opt)
+      unscaled = self.pair.torch_arrays("grad")
+      torch.nn.utils.clip_grad_norm_(self.pair.torch_module.parameters(), sc.clip)
+    for opt in self.optimizers:
+      scaler.step(opt)
+    if unscaled is None:
+      unscaled = self.pair.torch_arrays("grad")
+    found = [self._found_inf(opt) for opt in self.optimizers]
+    new_scale = sc.new_scale.get(step)
+    if new_scale is None:
+      scaler.update()
+    else:
+      scaler.update(new_scale=float(new_scale))
+    return {
+        "loss": float(np.mean(losses)),
+        "scale_used": scale_used,
+        "scaled": scaled,
+        "unscaled": unscaled,
+        "found": found,
+        "scale": _f32(scaler.get_scale()),
+        "tracker": scaler._get_growth_tracker(),
+        "params": self.pair.torch_arrays("data"),
+    }
+
+  def _found_inf(self, opt) -> bool:
+    if not self.scaler.is_enabled():
+      return False
+    per_device = self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    return bool(sum(v.item() for v in per_device.values()))
+
+  def state(self) -> dict:
+    merged: dict = {}
+    for opt in self.optimizers:
+      for kind, values in torch_state(opt, self.pair).items():
+        merged.setdefault(kind, {}).update(values)
+    return merged
+
+  def checkpoint(self) -> dict:
+    """What a torch training script saves: scaler, model and optimizer states."""
+    return {
+        "scaler": self.scaler.state_dict(),
+        "params": self.pair.torch_arrays("data"),
+        "optimizer": self.state(),
+    }
+
+  def resume(self, checkpoint: dict) -> None:
+    """A fresh scaler and fresh optimizers loaded from a (JAX) checkpoint."""
+    from parity.optimizers import load_torch_state
+
+    self.scaler = torch.amp.GradScaler("cpu")
+    self.scaler.load_state_dict(checkpoint["scaler"])
+    with torch.no_grad():
+      for name, value in checkpoint["params"].items():
+        self.named[name].copy_(to_torch_tensor(value))
+    self.optimizers = [make_torch(spec, self.pair) for spec in self.scenario.optimizers]
+    for opt in self.optimizers:
+      load_torch_state(opt, self.pair, checkpoint["optimizer"])
+
+
+def _torch_hyper(scenario) -> dict:
+  s = scenario.scaler
+  return {
+      "scale": float(s.get("init_scale", 2.0**16)),
+      "growth_factor": s.get("growth_factor", 2.0),
+      "backoff_factor": s.get("backoff_factor", 0.5),
+      "growth_interval": s.get("growth_interval", 2000),
+  }
+
+
+def _compare_state(result: Result, step: int, jax_state: dict, torch_state_: dict) -> None:
+  for kind, torch_values in torch_state_.items():
+    for name, t in torch_values.items():
+      j = jax_state.get(kind, {}).get(name)
+      if j is None:
+        result.fail(step, f"optimizer state {kind}[{name}] missing in jaxamp")
+        continue
+      if kind == "step":
+        if float(j) != float(t):
+          result.fail(step, f"Adam step count {name}: jaxamp {float(j)} torch {float(t)}")
+        continue
+      diff = relative_difference(j, t)
+      result.max_state_diff = max(result.max_state_diff, diff)
+      if not diff <= result.param_rtol:
+        result.fail(step, f"optimizer state {kind}[{name}] differs by {diff:.3g}")
+  # A parameter torch never stepped has no state: optax's must still be zero.
+  for kind, jax_values in jax_state.items():
+    for name, j in jax_values.items():
+      if name not in torch_state_.get(kind, {}) and np.any(np.asarray(j) != 0):
+        result.fail(step, f"optimizer state {kind}[{name}] moved where torch has none")
+
+
+def run(scenario, api: str) -> Result:
+  """Runs ``scenario`` through ``api`` ("optax" or "grad_scaler") and torch."""
+  start = time.perf_counter()
+  pair = scenario.model()
+  result = Result(scenario.name, api, scenario.steps, scenario.param_rtol)
+  torch_run = TorchRun(scenario, pair)
+  jax_run = drivers.make(api, scenario, pair)
+  check_unscale = scenario.scaler.get("enabled", True)
+  for step in range(scenario.steps):
+    t = torch_run.step(step)
+    j = jax_run.step(step)
+    result.record("torch_loss", t["loss"])
+    result.record("jax_loss", j["loss"])
+    result.record("torch_scale", t["scale"])
+    result.record("jax_scale", j["scale"])
+    result.skipped_steps += int(any(t["found"]))
+    if _bits(j["scale_used"]) != _bits(t["scale_used"]) or _bits(j["scale"]) != _bits(t["scale"]):
+      result.scale_match = False
+      result.fail(step, f"scale: jaxamp {float(j['scale'])!r} torch {float(t['scale'])!r}")
+    if int(j["tracker"]) != int(t["tracker"]):
+      result.tracker_match = False
+      result.fail(step, f"growth tracker: jaxamp {int(j['tracker'])} torch {t['tracker']}")
+    if list(j["found"]) != list(t["found"]):
+      result.skips_match = False
+      result.fail(step, f"skip decisions: jaxamp {j['found']} torch {t['found']}")
+    if check_unscale:
+      unscaled, found = jax_run.unscale_torch_grads(t["scaled"], t["scale_used"])
+      bits_ok = bool(found) == any(t["found"])
+      if not bits_ok:
+        result.fail(step, f"unscale_and_check found_inf {bool(found)}, torch {t['found']}")
+      for name, value in t["unscaled"].items():
+        if value is not None and _bits(unscaled[name]) != _bits(value):
+          bits_ok = False
+          result.fail(step, f"unscaled grad {name} differs from torch's bit pattern")
+      result.unscale_bits_match = bits_ok and result.unscale_bits_match is not False
+    for name, value in t["params"].items():
+      diff = relative_difference(j["params"][name], value)
+      result.max_param_diff = max(result.max_param_diff, diff)
+      if not diff <= scenario.param_rtol:
+        result.fail(step, f"parameter {name} differs by {diff:.3g}")
+    _compare_state(result, step, jax_run.state(), torch_run.state())
+    if scenario.resume is not None and scenario.resume[0] == step + 1:
+      if scenario.resume[1] == "jax":
+        jax_run.resume(torch_run.checkpoint())
+      else:
+        torch_run.resume(jax_run.checkpoint())
+  result.seconds = time.perf_counter() - start
+  return result

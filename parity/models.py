@@ -1,0 +1,364 @@
+"""Paired torch / Flax models with identical initial weights, and their data.
+
+Every model exists twice: a ``torch.nn.Module`` and a ``flax.linen`` module.
+The Flax parameters are *copied* from the freshly initialised torch module, so
+both frameworks start bit-identical. Everything the suite compares (parameters,
+gradients, optimizer states) is converted to torch's layout and names
+(``"0.weight"``): a Dense kernel is torch's weight transposed, a Conv kernel is
+torch's OIHW weight as HWIO. Transposes are exact, so no comparison hides a
+conversion error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Pair:
+  """One model in both frameworks.
+
+  Attributes:
+    name: the model's name in the scenario registry.
+    torch_module: the torch model (float32 parameters unless stated).
+    params: the Flax parameters, copied from ``torch_module``.
+    layout: ``(torch_name, flax_path, kind)`` per parameter, in torch's order;
+      ``kind`` is ``"dense"`` (transpose), ``"conv"`` (OIHW -> HWIO) or ``"same"``.
+    torch_loss: ``(module, batch, autocast_dtype) -> 0-dim loss``.
+    jax_loss: ``(params, batch) -> loss`` (float32).
+    batch: ``step -> tuple of numpy arrays``, the same data for both frameworks.
+  """
+
+  name: str
+  torch_module: torch.nn.Module
+  params: Any
+  layout: list[tuple[str, tuple[str, ...], str]]
+  torch_loss: Callable
+  jax_loss: Callable
+  batch: Callable[[int], tuple]
+
+  @property
+  def names(self) -> list[str]:
+    return [name for name, _, _ in self.layout]
+
+  def to_torch_layout(self, tree: Any) -> dict[str, np.ndarray]:
+    """A params-shaped JAX tree as ``{torch_name: numpy array}`` in torch layout.
+
+    Leaves that ``optax.multi_transform`` masked out are left out.
+    """
+    out = {}
+    for name, path, kind in self.layout:
+      leaf = _get(tree, path)
+      if isinstance(leaf, optax.MaskedNode):
+        continue
+      out[name] = _to_torch(np.asarray(leaf), kind)
+    return out
+
+  def from_torch_layout(self, arrays: dict[str, Any]) -> Any:
+    """The inverse of :meth:`to_torch_layout` (all names required)."""
+    tree: dict = {}
+    for name, path, kind in self.layout:
+      _set(tree, path, jnp.asarray(_from_torch(np.asarray(arrays[name]), kind)))
+    return tree
+
+  def tree_of(self, values: dict[str, Any]) -> Any:
+    """A params-shaped tree holding ``values[torch_name]`` as leaves, unconverted."""
+    tree: dict = {}
+    for name, path, _ in self.layout:
+      _set(tree, path, values[name])
+    return tree
+
+  def torch_arrays(self, attr: str = "data") -> dict[str, np.ndarray]:
+    """The torch parameters (``attr="data"``) or gradients (``"grad"``) as numpy."""
+    out = {}
+    for name, p in self.torch_module.named_parameters():
+      value = getattr(p, attr)
+      out[name] = None if value is None else _numpy(value)
+    return out
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+  """A torch tensor as numpy, bfloat16 kept bit-exact (as ``ml_dtypes``)."""
+  t = t.detach()
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.int16).numpy().view(jnp.bfloat16).copy()
+  return t.numpy().copy()
+
+
+def to_torch_tensor(a: np.ndarray) -> torch.Tensor:
+  a = np.asarray(a)
+  if a.dtype == jnp.bfloat16:
+    return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+  return torch.from_numpy(a.copy())
+
+
+def _to_torch(a: np.ndarray, kind: str) -> np.ndarray:
+  if kind == "dense":
+    return a.T
+  if kind == "conv":
+    return a.transpose(3, 2, 0, 1)
+  return a
+
+
+def _from_torch(a: np.ndarray, kind: str) -> np.ndarray:
+  if kind == "dense":
+    return a.T
+  if kind == "conv":
+    return a.transpose(2, 3, 1, 0)
+  return a
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _copy_weights(module: torch.nn.Module, layout) -> Any:
+  arrays = {name: _numpy(p) for name, p in module.named_parameters()}
+  tree: dict = {}
+  for name, path, kind in layout:
+    _set(tree, path, jnp.asarray(_from_torch(arrays[name], kind)))
+  return {"params": tree["params"]} if "params" in tree else tree
+
+
+def _autocast(dtype: str | None):
+  if dtype is None:
+    return torch.autocast("cpu", enabled=False)
+  return torch.autocast("cpu", dtype=_TORCH_DTYPES[dtype])
+
+
+# ---------------------------------------------------------------------------------------
+# Dense stacks: Linear(10,10), Linear -> ReLU -> Linear, the digits MLP.
+
+
+class _DenseStack(nn.Module):
+  """``Linear -> ReLU -> ... -> Linear`` with torch's layer names ``0, 2, ...``."""
+
+  features: tuple[int, ...]
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.astype(self.dtype)
+    for i, width in enumerate(self.features):
+      if i:
+        x = nn.relu(x)
+      x = nn.Dense(width, dtype=self.dtype, param_dtype=jnp.float32, name=str(2 * i))(x)
+    return x.astype(jnp.float32)
+
+
+def _dense_layout(n_layers: int):
+  layout = []
+  for i in range(n_layers):
+    layout.append((f"{2 * i}.weight", ("params", str(2 * i), "kernel"), "dense"))
+    layout.append((f"{2 * i}.bias", ("params", str(2 * i), "bias"), "same"))
+  return layout
+
+
+def _torch_dense_stack(sizes: tuple[int, ...]) -> torch.nn.Sequential:
+  layers: list[torch.nn.Module] = []
+  for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    if i:
+      layers.append(torch.nn.ReLU())
+    layers.append(torch.nn.Linear(n_in, n_out))
+  return torch.nn.Sequential(*layers)
+
+
+def _regression_batches(seed: int, n_in: int, n_out: int, batch: int = 8):
+  def batch_at(step: int):
+    rng = np.random.default_rng([seed, step])
+    x = rng.standard_normal((batch, n_in)).astype(np.float32)
+    y = rng.standard_normal((batch, n_out)).astype(np.float32)
+    return x, y
+
+  return batch_at
+
+
+def _mse_pair(name, sizes, seed, zero_loss=False):
+  torch.manual_seed(seed)
+  module = _torch_dense_stack(sizes)
+  layout = _dense_layout(len(sizes) - 1)
+  flax_module = _DenseStack(tuple(sizes[1:]))
+  factor = 0.0 if zero_loss else 1.0
+
+  def torch_loss(m, batch, autocast_dtype=None):
+    x, y = (torch.from_numpy(a) for a in batch)
+    with _autocast(autocast_dtype):
+      out = m(x)
+    return torch.nn.functional.mse_loss(out.float(), y) * factor
+
+  def jax_loss(params, batch):
+    x, y = batch
+    return jnp.mean((flax_module.apply(params, x) - y) ** 2) * factor
+
+  return Pair(
+      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
+      _regression_batches(seed, sizes[0], sizes[-1]),
+  )
+
+
+def linear10(seed: int = 0, zero_loss: bool = False) -> Pair:
+  """``Linear(10, 10)`` and an MSE loss on fresh N(0, 1) data each step."""
+  return _mse_pair("linear10", (10, 10), seed, zero_loss)
+
+
+def two_layer(seed: int = 1) -> Pair:
+  """``Linear(10, 16) -> ReLU -> Linear(16, 4)`` with an MSE loss."""
+  return _mse_pair("two_layer", (10, 16, 4), seed)
+
+
+# ---------------------------------------------------------------------------------------
+# Real data: scikit-learn's bundled 8x8 digits (1797 images, no download).
+
+
+def _digits():
+  from sklearn.datasets import load_digits
+
+  data = load_digits()
+  x = (data.data / 16.0).astype(np.float32)
+  return x, data.target.astype(np.int64)
+
+
+def _digit_batches(seed: int, batch: int = 64, image: bool = False):
+  x_all, y_all = _digits()
+
+  def batch_at(step: int):
+    idx = np.random.default_rng([seed, step]).choice(len(x_all), batch, replace=False)
+    x = x_all[idx]
+    return (x.reshape(-1, 1, 8, 8) if image else x), y_all[idx]
+
+  return batch_at
+
+
+def _cross_entropy_pair(name, module, flax_module, layout, seed, image, compute_dtype):
+  def torch_loss(m, batch, autocast_dtype=None):
+    x, y = (torch.from_numpy(a) for a in batch)
+    with _autocast(autocast_dtype):
+      logits = m(x)
+    return torch.nn.functional.cross_entropy(logits.float(), y)
+
+  def jax_loss(params, batch):
+    x, y = batch
+    logits = flax_module.apply(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return Pair(
+      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
+      _digit_batches(seed, image=image),
+  )
+
+
+def mlp_digits(seed: int = 2, compute_dtype: str = "float32") -> Pair:
+  """``Linear(64, 32) -> ReLU -> Linear(32, 10)`` classifying the digits."""
+  torch.manual_seed(seed)
+  module = _torch_dense_stack((64, 32, 10))
+  flax_module = _DenseStack((32, 10), dtype=jnp.dtype(compute_dtype))
+  return _cross_entropy_pair(
+      "mlp_digits", module, flax_module, _dense_layout(2), seed, False, compute_dtype
+  )
+
+
+class _ConvNet(nn.Module):
+  """``Conv2d(1, 4, 3) -> ReLU -> Flatten -> Linear(144, 10)`` on NCHW input."""
+
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.transpose(x, (0, 2, 3, 1)).astype(self.dtype)  # NCHW -> NHWC
+    x = nn.Conv(4, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=jnp.float32,
+                name="0")(x)
+    x = nn.relu(x)
+    x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)  # torch's C,H,W order
+    x = nn.Dense(10, dtype=self.dtype, param_dtype=jnp.float32, name="3")(x)
+    return x.astype(jnp.float32)
+
+
+def cnn_digits(seed: int = 3, compute_dtype: str = "float32") -> Pair:
+  """A small convolutional classifier on the 8x8 digits."""
+  torch.manual_seed(seed)
+  module = torch.nn.Sequential(
+      torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+  )
+  layout = [
+      ("0.weight", ("params", "0", "kernel"), "conv"),
+      ("0.bias", ("params", "0", "bias"), "same"),
+      ("3.weight", ("params", "3", "kernel"), "dense"),
+      ("3.bias", ("params", "3", "bias"), "same"),
+  ]
+  flax_module = _ConvNet(dtype=jnp.dtype(compute_dtype))
+  return _cross_entropy_pair("cnn_digits", module, flax_module, layout, seed, True,
+                             compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Raw parameter vectors, as in SPEC section 6: loss = sum(p * w), so the gradient is
+# exactly w times the scale in both frameworks and only the scaler is under test.
+
+
+class _Vectors(torch.nn.Module):
+  def __init__(self, init: dict[str, np.ndarray]):
+    super().__init__()
+    for name, value in init.items():
+      self.register_parameter(name, torch.nn.Parameter(to_torch_tensor(value)))
+
+
+def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
+  """Parameter vectors of the given dtypes; ``loss = sum_k sum(p_k * w_k)``."""
+  rng = np.random.default_rng(seed)
+  init = {
+      name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
+      for name, dtype in dtypes.items()
+  }
+  module = _Vectors(init)
+  layout = [(name, (name,), "same") for name in dtypes]
+
+  def batch_at(step: int):
+    r = np.random.default_rng([seed, step])
+    return tuple(
+        r.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtypes[name]))
+        for name in dtypes
+    )
+
+  def torch_loss(m, batch, autocast_dtype=None):
+    terms = [(p * to_torch_tensor(w)).sum().float() for p, w in zip(m.parameters(), batch)]
+    return sum(terms[1:], terms[0])
+
+  def jax_loss(params, batch):
+    terms = [jnp.sum(params[name] * w).astype(jnp.float32) for name, w in zip(dtypes, batch)]
+    return sum(terms[1:], terms[0])
+
+  params = {name: jnp.asarray(value) for name, value in init.items()}
+  return Pair("vectors", module, params, layout, torch_loss, jax_loss, batch_at)
+
+
+MODELS = {
+    "linear10": linear10,
+    "two_layer": two_layer,
+    "mlp_digits": mlp_digits,
+    "cnn_digits": cnn_digits,
+    "vectors": vectors,
+}
+
+
+def tree_to_torch_layout(pair: Pair, tree: Any) -> dict[str, np.ndarray]:
+  """:meth:`Pair.to_torch_layout` for any params-shaped tree (device arrays ok)."""
+  return pair.to_torch_layout(jax.device_get(tree))
