@@ -1,5 +1,8 @@
 """jaxamp: torch's automatic-mixed-precision GradScaler for JAX, bit for bit."""
 
+from jaxamp._checkpoint import load_state_dict, state_dict
+from jaxamp._grad_scaler import GradScaler
+from jaxamp._optimizer import Optimizer
 from jaxamp._scale_update import update_loss_scale
 from jaxamp._state_access import find_loss_scale_state, get_loss_scale, scale_loss
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
@@ -9,12 +12,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScaleState",
+    "GradScaler",
+    "Optimizer",
     "all_finite",
     "dynamic_loss_scale",
     "find_loss_scale_state",
     "get_loss_scale",
     "inverse_scale",
+    "load_state_dict",
     "scale_loss",
+    "state_dict",
     "unscale_and_check",
     "update_loss_scale",
 ]

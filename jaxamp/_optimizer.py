@@ -1,0 +1,117 @@
+"""``Optimizer``: a torch-style optimizer handle for ``jaxamp.GradScaler``.
+
+torch's optimizer owns its parameters, and each parameter carries its ``.grad``;
+``scaler.unscale_(optimizer)`` and ``scaler.step(optimizer)`` reach both
+through the optimizer. JAX has no such object, so this handle bundles the four
+things those calls need: an optax transformation, its parameters, its state,
+and the current gradients.
+
+It is a JAX pytree (``params``, ``opt_state`` and ``grads`` are its children;
+the transformation is static), so it can be passed to and returned from a
+jitted function. Its methods change the Python object in place, as torch does;
+inside ``jit`` they change the traced copy, which the function returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import optax
+
+_KEYS = itertools.count()
+
+
+@jax.tree_util.register_pytree_node_class
+class Optimizer:
+  """An optax transformation with its params, state and grads, as a torch optimizer.
+
+  ==========================================  =================================================
+  torch                                       jaxamp
+  ==========================================  =================================================
+  ``opt = torch.optim.SGD(model.parameters(),  ``opt = jaxamp.Optimizer(optax.sgd(0.1), params)``
+  lr=0.1)``
+  ``opt.zero_grad()``                         ``opt.zero_grad()`` (sets ``grads`` to ``None``)
+  ``loss.backward()``                         ``opt.grads = jax.grad(loss_fn)(opt.params)``
+  ``p.grad``                                  ``opt.grads`` (a tree like ``opt.params``)
+  ``opt.step()``                              ``opt.step()``
+  ==========================================  =================================================
+
+  ``grads`` starts as zeros shaped like ``params``, so that the handle has the
+  same pytree structure before and after an iteration, and a jitted training
+  step compiles once. ``zero_grad()`` sets it to ``None`` (torch's default
+  ``set_to_none=True``); assign the new gradients before the next step.
+
+  Attributes:
+    tx: the optax transformation (static: it is part of the pytree structure).
+    params: the parameter tree.
+    opt_state: ``tx``'s state.
+    grads: the current gradients, a tree like ``params``, or ``None``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> opt = jaxamp.Optimizer(optax.sgd(0.5), {"w": jnp.array([1.0, 2.0])})
+    >>> opt.grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(opt.params)
+    >>> opt.step()
+    >>> opt.params["w"].tolist()
+    [0.0, 0.0]
+  """
+
+  def __init__(
+      self,
+      tx: optax.GradientTransformation,
+      params: Any,
+      *,
+      opt_state: Any = None,
+      grads: Any = None,
+  ):
+    """Creates the handle; ``opt_state`` defaults to ``tx.init(params)`` and
+    ``grads`` to zeros like ``params``."""
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(
+          "jaxamp.Optimizer takes an optax.GradientTransformation first, got "
+          f"{type(tx).__name__}."
+      )
+    self.tx = tx
+    self.params = params
+    self.opt_state = tx.init(params) if opt_state is None else opt_state
+    self.grads = jax.tree.map(jax.numpy.zeros_like, params) if grads is None else grads
+    self._key = next(_KEYS)
+
+  def zero_grad(self) -> None:
+    """Forgets the gradients (``grads = None``), as torch's ``zero_grad()``."""
+    self.grads = None
+
+  def updated(self, grads: Any, **extra_args: Any) -> tuple[Any, Any]:
+    """The ``(params, opt_state)`` after one ``tx`` update with ``grads``.
+
+    Pure: the handle is not changed. ``extra_args`` go to ``tx.update``.
+    """
+    tx = optax.with_extra_args_support(self.tx)
+    updates, opt_state = tx.update(grads, self.opt_state, self.params, **extra_args)
+    return optax.apply_updates(self.params, updates), opt_state
+
+  def step(self, **extra_args: Any) -> None:
+    """Applies ``grads`` unconditionally, as torch's ``optimizer.step()``.
+
+    Without a scaler, or under a disabled one. Nothing happens when ``grads``
+    is ``None`` (torch skips parameters without a gradient).
+    """
+    if self.grads is None:
+      return None
+    self.params, self.opt_state = self.updated(self.grads, **extra_args)
+    return None
+
+  def tree_flatten(self):
+    return (self.params, self.opt_state, self.grads), (self.tx, self._key)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    optimizer = object.__new__(cls)
+    optimizer.tx, optimizer._key = aux
+    optimizer.params, optimizer.opt_state, optimizer.grads = children
+    return optimizer
+
+  def __repr__(self) -> str:
+    return f"jaxamp.Optimizer(key={self._key}, params={jax.tree.structure(self.params)})"

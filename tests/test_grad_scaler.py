@@ -1,0 +1,716 @@
+"""``jaxamp.GradScaler``: torch's loops ported line by line, its state machine and errors."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import torch
+
+import jaxamp
+
+E6 = (
+    "Attempted {} but _scale is None.  This may indicate your script did not use "
+    "scaler.scale(loss or outputs) earlier in the iteration."
+)
+E8 = "unscale_() has already been called on this optimizer since the last update()."
+E9 = "unscale_() is being called after step()."
+E12 = "Closure use is not currently supported if GradScaler is enabled."
+E13 = "step() has already been called since the last update()."
+E14 = "No inf checks were recorded for this optimizer."
+E15 = "No inf checks were recorded prior to update."
+
+
+def _bits(tree):
+  return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
+
+
+def _snapshot(scaler, *optimizers):
+  """Everything a call could change, as bytes and static data."""
+  leaves, treedef = jax.tree.flatten((scaler, optimizers))
+  return treedef, [np.asarray(leaf).tobytes() for leaf in leaves], scaler._scaled
+
+
+def _sum_of_squares(params):
+  return jnp.sum(params["w"] ** 2)
+
+
+def _fresh(init_scale=4.0, **kwargs):
+  scaler = jaxamp.GradScaler(init_scale=init_scale, **kwargs)
+  opt = jaxamp.Optimizer(optax.sgd(0.5), {"w": jnp.array([1.0, 2.0])})
+  return scaler, opt
+
+
+def _backward(scaler, opt, loss_fn=_sum_of_squares):
+  opt.grads = jax.grad(lambda p: scaler.scale(loss_fn(p)))(opt.params)
+
+
+# ---------------------------------------------------------------------------------
+# The three loops of the reference document, against torch run live.
+# ---------------------------------------------------------------------------------
+
+
+def _torch_model():
+  torch.manual_seed(0)
+  return torch.nn.Sequential(
+      torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10)
+  )
+
+
+def _layer_params(layer):
+  return {
+      "w": jnp.asarray(layer.weight.detach().numpy().copy()),
+      "b": jnp.asarray(layer.bias.detach().numpy().copy()),
+  }
+
+
+def _forward(l1, l2, x):
+  hidden = jax.nn.relu(x @ l1["w"].T + l1["b"])
+  return hidden @ l2["w"].T + l2["b"]
+
+
+def _mse(l1, l2, x, y):
+  return jnp.mean((_forward(l1, l2, x) - y) ** 2)
+
+
+def _batches(steps):
+  rng = np.random.default_rng(7)
+  return [
+      (rng.normal(size=(8, 10)).astype(np.float32), rng.normal(size=(8, 10)).astype(np.float32))
+      for _ in range(steps)
+  ]
+
+
+def _inject(grads, layer):
+  return {**grads, "w": grads["w"].at[0, 0].set(jnp.inf)} if layer else grads
+
+
+def _torch_inject(linear, flag):
+  if flag:
+    with torch.no_grad():
+      linear.weight.grad[0, 0] = float("inf")
+
+
+def _torch_clip_grad_norm(grads, max_norm):
+  """torch's ``clip_grad_norm_`` formula: grads * min(1, max_norm / (norm + 1e-6))."""
+  norm = optax.global_norm(grads)
+  coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), 1.0)
+  return jax.tree.map(lambda g: g * coef, grads), norm
+
+
+def _unchanged(before, after):
+  return all(np.array_equal(a, b) for a, b in zip(_bits(before), _bits(after)))
+
+
+INF_STEPS = (2, 5, 6)
+KWARGS = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+
+
+@pytest.mark.torch
+def test_grad_scaler_basic_loop_matches_torch():
+  model = _torch_model()
+  t_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  t_scaler = torch.amp.GradScaler("cpu", **KWARGS)
+  params = {"l1": _layer_params(model[0]), "l2": _layer_params(model[2])}
+  scaler = jaxamp.GradScaler(**KWARGS)
+  opt = jaxamp.Optimizer(optax.sgd(0.1), params)
+  for i, (x, y) in enumerate(_batches(9)):
+    # torch
+    t_opt.zero_grad()
+    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    _torch_inject(model[0], i in INF_STEPS)
+    t_before = [p.detach().clone() for p in model.parameters()]
+    t_scaler.step(t_opt)
+    t_scaler.update()
+    t_skipped = all(torch.equal(a, b) for a, b in zip(t_before, model.parameters()))
+    # jaxamp, line by line
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(_mse(p["l1"], p["l2"], x, y)))(opt.params)
+    opt.grads = {**opt.grads, "l1": _inject(opt.grads["l1"], i in INF_STEPS)}
+    before = opt.params
+    scaler.step(opt)
+    scaler.update()
+    assert t_skipped == (i in INF_STEPS)
+    assert _unchanged(before, opt.params) == t_skipped, i
+    assert scaler.get_scale() == t_scaler.get_scale(), i
+    assert scaler.state_dict() == t_scaler.state_dict(), i
+    for p, t in zip(jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]):
+      np.testing.assert_allclose(np.asarray(p), t.detach().numpy(), rtol=1e-5, atol=1e-6)
+  assert t_scaler.get_scale() == 1024.0  # growths at 1, 4, 8 and backoffs at 2, 5, 6
+
+
+@pytest.mark.torch
+def test_grad_scaler_unscale_then_clip_loop_matches_torch():
+  model = _torch_model()
+  t_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  t_scaler = torch.amp.GradScaler("cpu", **KWARGS)
+  params = {"l1": _layer_params(model[0]), "l2": _layer_params(model[2])}
+  scaler = jaxamp.GradScaler(**KWARGS)
+  opt = jaxamp.Optimizer(optax.sgd(0.1), params)
+  for i, (x, y) in enumerate(_batches(9)):
+    t_opt.zero_grad()
+    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    _torch_inject(model[0], i in INF_STEPS)
+    t_scaler.unscale_(t_opt)
+    t_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    t_before = [p.detach().clone() for p in model.parameters()]
+    t_scaler.step(t_opt)
+    t_scaler.update()
+    t_skipped = all(torch.equal(a, b) for a, b in zip(t_before, model.parameters()))
+
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(_mse(p["l1"], p["l2"], x, y)))(opt.params)
+    opt.grads = {**opt.grads, "l1": _inject(opt.grads["l1"], i in INF_STEPS)}
+    scaler.unscale_(opt)
+    opt.grads, norm = _torch_clip_grad_norm(opt.grads, max_norm=1.0)
+    before = opt.params
+    scaler.step(opt)
+    scaler.update()
+
+    assert t_skipped == (i in INF_STEPS)
+    assert _unchanged(before, opt.params) == t_skipped, i
+    assert scaler.state_dict() == t_scaler.state_dict(), i
+    np.testing.assert_allclose(float(norm), t_norm.item(), rtol=1e-5)
+    for p, t in zip(jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]):
+      np.testing.assert_allclose(np.asarray(p), t.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.torch
+def test_grad_scaler_two_optimizers_loop_matches_torch():
+  model = _torch_model()
+  t_opt1 = torch.optim.SGD(model[0].parameters(), lr=0.01)
+  t_opt2 = torch.optim.SGD(model[2].parameters(), lr=0.02)
+  t_scaler = torch.amp.GradScaler("cpu", **KWARGS)
+  scaler = jaxamp.GradScaler(**KWARGS)
+  opt1 = jaxamp.Optimizer(optax.sgd(0.01), _layer_params(model[0]))
+  opt2 = jaxamp.Optimizer(optax.sgd(0.02), _layer_params(model[2]))
+  # (inf in layer 1, inf in layer 2) per iteration: each alone, both, and clean.
+  flags = [(0, 0), (1, 0), (0, 0), (0, 1), (0, 0), (1, 1), (0, 0), (0, 0), (0, 0)]
+  for i, ((x, y), (inf1, inf2)) in enumerate(zip(_batches(len(flags)), flags)):
+    t_opt1.zero_grad()
+    t_opt2.zero_grad()
+    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    _torch_inject(model[0], inf1)
+    _torch_inject(model[2], inf2)
+    t_scaler.unscale_(t_opt1)
+    t_scaler.unscale_(t_opt2)
+    t_before = [[p.detach().clone() for p in layer.parameters()] for layer in (model[0], model[2])]
+    t_scaler.step(t_opt1)
+    t_scaler.step(t_opt2)
+    t_scaler.update()
+    t_skipped = [
+        all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+        for before, layer in zip(t_before, (model[0], model[2]))
+    ]
+
+    opt1.zero_grad()
+    opt2.zero_grad()
+    g1, g2 = jax.grad(
+        lambda p1, p2: scaler.scale(_mse(p1, p2, x, y)), argnums=(0, 1)
+    )(opt1.params, opt2.params)
+    opt1.grads, opt2.grads = _inject(g1, inf1), _inject(g2, inf2)
+    scaler.unscale_(opt1)
+    scaler.unscale_(opt2)
+    before = (opt1.params, opt2.params)
+    scaler.step(opt1)
+    scaler.step(opt2)
+    scaler.update()
+
+    assert t_skipped == [bool(inf1), bool(inf2)], i
+    assert [_unchanged(before[0], opt1.params), _unchanged(before[1], opt2.params)] == t_skipped
+    assert scaler.state_dict() == t_scaler.state_dict(), i
+    for opt, layer in ((opt1, model[0]), (opt2, model[2])):
+      np.testing.assert_allclose(np.asarray(opt.params["w"]), layer.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(opt.params["b"]), layer.bias.detach().numpy(), rtol=1e-5, atol=1e-6)
+  # 1024 -> 512 (1) -> 256 (3) -> 128 (5: one backoff, though both saw inf) -> 256 (7).
+  assert t_scaler.get_scale() == 256.0
+
+
+def test_grad_scaler_multiple_optimizers_spec_table():
+  """SPEC 5.6: per-optimizer skips, one backoff however many optimizers saw inf."""
+  scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
+  o1 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
+  o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
+  rows = []
+  for inf1, inf2 in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (0, 0)]:
+    g1, g2 = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(o1.params, o2.params)
+    o1.grads = g1.at[0].set(jnp.inf) if inf1 else g1
+    o2.grads = g2.at[0].set(jnp.nan) if inf2 else g2
+    scaler.step(o1)
+    scaler.step(o2)
+    scaler.update()
+    rows.append((float(o1.params[0]), float(o2.params[0]), scaler.get_scale(), scaler._get_growth_tracker()))
+  assert rows == [
+      (0.0, 0.0, 8.0, 1),
+      (0.0, -1.0, 4.0, 0),
+      (-1.0, -1.0, 2.0, 0),
+      (-1.0, -1.0, 1.0, 0),
+      (-2.0, -2.0, 1.0, 1),
+      (-3.0, -3.0, 2.0, 0),
+  ]
+
+
+def test_grad_scaler_untouched_optimizer_keeps_scaled_grads():
+  """SPEC scenario 30: only o1 is recorded; o2's grads stay scaled."""
+  scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=1)
+  o1 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
+  o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
+  o1.grads, o2.grads = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(o1.params, o2.params)
+  scaler.step(o1)
+  scaler.update()
+  assert scaler.get_scale() == 16.0
+  assert o2.grads.tolist() == [8.0]
+
+
+# ---------------------------------------------------------------------------------
+# Bit-identity with the core optax wrapper.
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(0.01)], ids=["sgd", "adam"])
+def test_grad_scaler_matches_dynamic_loss_scale_bit_for_bit(inner):
+  kwargs = dict(init_scale=3.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=2)
+  params = {"w": jnp.array([0.5, -1.25, 3.0]), "b": jnp.array(0.75)}
+  tx = jaxamp.dynamic_loss_scale(inner, **kwargs)
+  state = tx.init(params)
+  core_params = params
+  scaler = jaxamp.GradScaler(**kwargs)
+  opt = jaxamp.Optimizer(inner, params)
+  rng = np.random.default_rng(3)
+  for i in range(12):
+    raw = {"w": rng.normal(size=3).astype(np.float32), "b": np.float32(rng.normal())}
+    scale = jaxamp.get_loss_scale(state)
+    grads = jax.tree.map(lambda g: jnp.asarray(g) * scale, raw)
+    if i in (3, 7, 8):
+      grads = {**grads, "w": grads["w"].at[1].set(jnp.inf if i != 8 else jnp.nan)}
+    updates, state = tx.update(grads, state, core_params)
+    core_params = optax.apply_updates(core_params, updates)
+
+    scaler.scale(jnp.float32(1.0))
+    assert np.asarray(scaler._scale).tobytes() == np.asarray(scale).tobytes()
+    opt.grads = grads
+    scaler.unscale_(opt)
+    expected_unscaled, found_inf = jaxamp.unscale_and_check(grads, scale)
+    assert _bits(opt.grads) == _bits(expected_unscaled)
+    assert bool(scaler._states[opt._key].found_inf) == bool(found_inf) == bool(state.found_inf)
+    scaler.step(opt)
+    scaler.update()
+    assert np.asarray(scaler._scale).tobytes() == np.asarray(state.loss_scale).tobytes(), i
+    assert int(scaler._growth_tracker) == int(state.growth_tracker), i
+    assert _bits(opt.params) == _bits(core_params), i
+    assert _bits(opt.opt_state) == _bits(state.inner_state), i
+
+
+# ---------------------------------------------------------------------------------
+# The state machine and its errors.
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, funcname",
+    [
+        (lambda s, o: s.unscale_(o), "unscale_"),
+        (lambda s, o: s.step(o), "step"),
+        (lambda s, o: s.update(), "update"),
+        (lambda s, o: s.update(2.0), "update"),
+    ],
+)
+def test_grad_scaler_calls_before_scale_raise(call, funcname):
+  scaler, opt = _fresh()
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    call(scaler, opt)
+  assert str(info.value) == E6.format(funcname)
+  assert _snapshot(scaler, opt) == before
+
+
+def test_grad_scaler_unscale_twice_raises():
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+  scaler.unscale_(opt)
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.unscale_(opt)
+  assert str(info.value) == E8
+  assert _snapshot(scaler, opt) == before
+  assert opt.grads["w"].tolist() == [2.0, 4.0]  # 4 * [2, 4] unscaled once, not twice
+
+
+def test_grad_scaler_unscale_after_step_raises():
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+  scaler.step(opt)
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.unscale_(opt)
+  assert str(info.value) == E9
+  assert _snapshot(scaler, opt) == before
+
+
+def test_grad_scaler_step_twice_raises():
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+  scaler.step(opt)
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.step(opt)
+  assert str(info.value) == E13
+  assert _snapshot(scaler, opt) == before
+
+
+def test_grad_scaler_update_without_inf_checks_raises():
+  scaler, opt = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  with pytest.raises(RuntimeError) as info:
+    scaler.update()
+  assert str(info.value) == E15
+
+
+def test_grad_scaler_update_twice_raises():
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+  scaler.step(opt)
+  scaler.update()
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.update()
+  assert str(info.value) == E15
+  assert _snapshot(scaler, opt) == before
+
+
+def test_grad_scaler_step_with_closure_raises_even_before_scale():
+  scaler, opt = _fresh()
+  with pytest.raises(RuntimeError) as info:
+    scaler.step(opt, closure=lambda: 1.0)
+  assert str(info.value) == E12
+
+
+def test_grad_scaler_step_without_grads_raises_and_changes_nothing():
+  scaler, opt = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  opt.zero_grad()
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.step(opt)
+  assert str(info.value) == E14
+  assert _snapshot(scaler, opt) == before  # torch would leave the optimizer UNSCALED
+  with pytest.raises(RuntimeError, match=E15.replace(".", r"\.")):
+    scaler.update()
+  scaler.update(new_scale=4.0)  # as torch, an explicit scale needs no inf check
+
+
+def test_grad_scaler_unscale_without_grads_then_step_raises():
+  """SPEC 42: unscale_ with no grads records nothing; step then raises E14."""
+  scaler, opt = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  opt.zero_grad()
+  scaler.unscale_(opt)
+  with pytest.raises(RuntimeError, match=E14.replace(".", r"\.")):
+    scaler.step(opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.unscale_(opt)
+  assert str(info.value) == E8
+
+
+def test_grad_scaler_step_after_update_reuses_stale_grads():
+  """SPEC 40: a step after update without a new backward unscales the stale grads again."""
+  scaler = jaxamp.GradScaler(init_scale=2.0)
+  opt = jaxamp.Optimizer(optax.sgd(0.0), jnp.array([1.0, 2.0]))
+  scaler.scale(jnp.float32(1.0))
+  opt.grads = jnp.array([2.0, 4.0])
+  scaler.step(opt)
+  scaler.update()
+  assert opt.grads.tolist() == [1.0, 2.0]
+  scaler.step(opt)
+  assert opt.grads.tolist() == [0.5, 1.0]
+
+
+def test_grad_scaler_bad_grads_change_nothing():
+  scaler, opt = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  opt.grads = {"w": jnp.array([1, 2], jnp.int32)}
+  before = _snapshot(scaler, opt)
+  with pytest.raises(TypeError, match="gradient leaf"):
+    scaler.step(opt)
+  with pytest.raises(TypeError, match="gradient leaf"):
+    scaler.unscale_(opt)
+  assert _snapshot(scaler, opt) == before
+
+
+def test_grad_scaler_skipped_step_keeps_params_and_state_and_unscales_grads():
+  """SPEC 25: grads [8, 16, inf] at scale 4 → [2, 4, inf]; params untouched; scale 2."""
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  opt = jaxamp.Optimizer(optax.adam(0.1), jnp.array([1.0, 2.0, 3.0]))
+  grads = jax.grad(lambda p: scaler.scale(jnp.sum(p * p)))(opt.params)
+  opt.grads = grads.at[2].set(jnp.inf)
+  before = (_bits(opt.params), _bits(opt.opt_state))
+  assert scaler.step(opt) is None
+  scaler.update()
+  assert opt.grads.tolist() == [2.0, 4.0, float("inf")]
+  assert (_bits(opt.params), _bits(opt.opt_state)) == before
+  assert scaler.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("stage", ["unscaled", "stepped"])
+def test_grad_scaler_state_machine_is_enforced_while_tracing(stage):
+  scaler, opt = _fresh()
+
+  @jax.jit
+  def twice(scaler, opt):
+    _backward(scaler, opt)
+    if stage == "unscaled":
+      scaler.unscale_(opt)
+      scaler.unscale_(opt)
+    else:
+      scaler.step(opt)
+      scaler.step(opt)
+    return scaler, opt
+
+  with pytest.raises(RuntimeError) as info:
+    twice(scaler, opt)
+  assert str(info.value) == (E8 if stage == "unscaled" else E13)
+
+
+def test_grad_scaler_stage_survives_a_jit_boundary():
+  scaler, opt = _fresh()
+  unscale = jax.jit(lambda s, o: (s.unscale_(o), s, o)[1:])
+  _backward(scaler, opt)
+  scaler, opt = unscale(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    scaler.unscale_(opt)
+  assert str(info.value) == E8
+  scaler.step(opt)
+  scaler.update()
+  assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 1
+
+
+def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
+  scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
+  opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
+  traces = []
+
+  @jax.jit
+  def train_step(scaler, opt, x, inject):
+    traces.append(1)
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum((p["w"] * x) ** 2)))(opt.params)
+    opt.grads = {"w": opt.grads["w"].at[0].multiply(inject)}
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return scaler, opt
+
+  x = jnp.array([0.5, 1.0, 1.5])
+  injections = [jnp.float32(v) for v in (1, 1, jnp.inf, 1, 1, jnp.nan, 1, 1)]
+  scales = []
+  with jax.transfer_guard("disallow"):
+    for inject in injections:
+      scaler, opt = train_step(scaler, opt, x, inject)
+      scales.append(scaler._scale)
+  assert len(traces) == 1
+  assert [float(s) for s in scales] == [8.0, 16.0, 8.0, 8.0, 16.0, 8.0, 8.0, 16.0]
+
+  # The same iterations called one by one, outside jit, give the same bits.
+  eager_scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
+  eager_opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
+  for inject in injections:
+    eager_opt.zero_grad()
+    eager_opt.grads = jax.grad(lambda p: eager_scaler.scale(jnp.sum((p["w"] * x) ** 2)))(eager_opt.params)
+    eager_opt.grads = {"w": eager_opt.grads["w"].at[0].multiply(inject)}
+    eager_scaler.unscale_(eager_opt)
+    eager_scaler.step(eager_opt)
+    eager_scaler.update()
+  assert _bits(eager_scaler) == _bits(scaler)
+  np.testing.assert_allclose(np.asarray(eager_opt.params["w"]), np.asarray(opt.params["w"]), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------
+# scale(), update(new_scale), getters, setters, disabled.
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        ("float32", ()), ("float32", (2,)), ("float16", ()), ("float16", (2,)),
+        ("bfloat16", ()), ("bfloat16", (2,)), ("int32", (2,)),
+    ],
+)
+def test_grad_scaler_scale_dtypes_match_torch(dtype, shape):
+  value = np.full(shape, 1.5, np.float32)
+  for init_scale in (3.0, 65536.0, 0.1):
+    t_out = torch.amp.GradScaler("cpu", init_scale=init_scale).scale(
+        torch.from_numpy(value).to(getattr(torch, dtype))
+    )
+    out = jaxamp.GradScaler(init_scale=init_scale).scale(jnp.asarray(value).astype(dtype))
+    assert str(out.dtype) == str(t_out.dtype).removeprefix("torch.")
+    expected = t_out.float().numpy()
+    assert np.asarray(out.astype(jnp.float32)).tobytes() == expected.tobytes()
+
+
+def test_grad_scaler_scale_float16_loss_gives_float32():
+  out = jaxamp.GradScaler().scale(jnp.float16(2.0))
+  assert out.dtype == jnp.float32 and float(out) == 131072.0
+  out = jaxamp.GradScaler().scale(jnp.array([1.0, 2.0], jnp.float16))
+  assert out.dtype == jnp.float16 and np.isinf(np.asarray(out, np.float32)).all()
+
+
+def test_grad_scaler_scale_containers():
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  out = scaler.scale([jnp.float32(1.0), (jnp.array([2.0, 3.0]), [jnp.float32(1.0)])])
+  assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], list)
+  assert jax.tree.map(float, out[0]) == 4.0
+  assert out[1][0].tolist() == [8.0, 12.0]
+  assert scaler.scale([]) == []
+
+
+def test_grad_scaler_scale_non_array_raises_and_does_not_initialise():
+  scaler = jaxamp.GradScaler(init_scale=0.1)
+  for bad in (3.0, None, [jnp.float32(1.0), 3.0]):
+    with pytest.raises(ValueError, match="outputs must be a Tensor or an iterable of Tensors"):
+      scaler.scale(bad)
+  assert scaler.get_scale() == 0.1  # still the raw init value: nothing was scaled
+  with pytest.raises(RuntimeError, match="Attempted step"):
+    scaler.step(jaxamp.Optimizer(optax.sgd(1.0), jnp.ones(1)))
+
+
+def test_grad_scaler_get_scale_is_raw_before_first_scale():
+  scaler = jaxamp.GradScaler(init_scale=0.1)
+  assert scaler.get_scale() == 0.1
+  assert scaler.state_dict()["scale"] == 0.1
+  scaler.scale(jnp.float32(1.0))
+  assert scaler.get_scale() == 0.10000000149011612
+  assert jaxamp.GradScaler(init_scale=3).get_scale() == 3
+
+
+@pytest.mark.parametrize(
+    "new_scale, expected",
+    [
+        (2.5, 2.5),
+        (1 / 3, 0.3333333432674408),
+        (np.float64(2.5), 2.5),
+        (np.float32(2.5), 2.5),
+        (jnp.float32(2.5), 2.5),
+        (np.asarray(1 / 3), 0.3333333432674408),
+        (-1.0, -1.0),
+    ],
+)
+def test_grad_scaler_update_new_scale_sets_scale_keeps_tracker(new_scale, expected):
+  scaler, opt = _fresh(growth_interval=3)
+  _backward(scaler, opt)
+  scaler.step(opt)
+  scaler.update()
+  _backward(scaler, opt)
+  scaler.step(opt)
+  scaler.update(new_scale)
+  assert scaler.get_scale() == expected
+  assert scaler._get_growth_tracker() == 1
+  assert scaler._states == {}
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (2, TypeError, "must be a float"),
+        (True, TypeError, "must be a float"),
+        (float("inf"), ValueError, "must be finite"),
+        (float("nan"), ValueError, "must be finite"),
+        (1e39, RuntimeError, "value cannot be converted to type float without overflow"),
+        (jnp.array([2.5]), ValueError, "new_scale should be a float or a 1-element"),
+        (jnp.array(2, jnp.int32), ValueError, "new_scale should be a float or a 1-element"),
+        (np.asarray(1e39), RuntimeError, "without overflow"),
+        (np.asarray(np.inf, np.float32), ValueError, "must be finite"),
+        ("2.0", TypeError, "must be a float"),
+    ],
+)
+def test_grad_scaler_update_bad_new_scale_raises_and_changes_nothing(bad, error, match):
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+  scaler.step(opt)
+  before = _snapshot(scaler, opt)
+  with pytest.raises(error, match=match):
+    scaler.update(bad)
+  assert _snapshot(scaler, opt) == before
+  scaler.update()
+  assert scaler.get_scale() == 4.0
+
+
+def test_grad_scaler_update_traced_new_scale():
+  scaler, opt = _fresh()
+  _backward(scaler, opt)
+
+  @jax.jit
+  def set_scale(scaler, value):
+    scaler.update(new_scale=value)
+    return scaler
+
+  scaler = set_scale(scaler, jnp.float32(0.75))
+  assert scaler.get_scale() == 0.75
+
+
+def test_grad_scaler_setters_are_not_range_checked():
+  """SPEC 53: interval 1, growth 0.5, backoff 4.0, flags [0, 0, 1, 1] → 2, 1, 4, 16."""
+  scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=1)
+  scaler.set_growth_factor(0.5)
+  scaler.set_backoff_factor(4.0)
+  opt = jaxamp.Optimizer(optax.sgd(0.0), jnp.array([1.0]))
+  scales = []
+  for flag in (0, 0, 1, 1):
+    opt.grads = jnp.array([jnp.inf if flag else 1.0])
+    scaler.scale(jnp.float32(1.0))
+    scaler.step(opt)
+    scaler.update()
+    scales.append(scaler.get_scale())
+  assert scales == [2.0, 1.0, 4.0, 16.0]
+  assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (0.5, 4.0)
+  scaler.set_growth_interval(7)
+  assert scaler.get_growth_interval() == 7
+  with pytest.raises(TypeError, match="must be an int"):
+    scaler.set_growth_interval(2.5)
+  with pytest.raises(TypeError, match="real Python number"):
+    scaler.set_growth_factor(jnp.float32(2.0))
+
+
+def test_grad_scaler_constructor_validates():
+  with pytest.raises(ValueError, match=r"The growth factor must be > 1\.0\."):
+    jaxamp.GradScaler(growth_factor=1.0)
+  with pytest.raises(ValueError, match=r"The backoff factor must be < 1\.0\."):
+    jaxamp.GradScaler(backoff_factor=1.0)
+  with pytest.raises(ValueError, match="without overflow"):
+    jaxamp.GradScaler(init_scale=1e39)
+  with pytest.raises(TypeError, match="no device argument"):
+    jaxamp.GradScaler("cuda")
+  jaxamp.GradScaler(growth_factor=0.5, enabled=False)  # as torch: not validated when disabled
+
+
+def test_grad_scaler_disabled_is_a_pass_through():
+  scaler = jaxamp.GradScaler(enabled=False)
+  opt = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
+  loss = jnp.float32(2.0)
+  assert scaler.scale(loss) is loss
+  opt.grads = jnp.array([jnp.inf])
+  assert scaler.unscale_(opt) is None
+  scaler.step(opt)
+  assert opt.params.tolist() == [-float("inf")]  # applied, as torch's disabled scaler
+  assert scaler.update() is None and scaler.update(new_scale="garbage") is None
+  assert scaler.get_scale() == 1.0 and not scaler.is_enabled()
+  assert scaler.state_dict() == {}
+  assert scaler.load_state_dict({"anything": 1}) is None
+  with pytest.raises(AttributeError, match="'GradScaler' object has no attribute '_growth_factor'"):
+    scaler.get_growth_factor()
+  scaler.set_growth_factor(3.0)
+  assert scaler.get_growth_factor() == 3.0
+
+
+def test_grad_scaler_rejects_a_non_jaxamp_optimizer():
+  scaler, _ = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  with pytest.raises(TypeError, match="expects a jaxamp.Optimizer"):
+    scaler.step(optax.sgd(0.1))
+
+
+def test_public_names_import_and_are_documented():
+  for name in jaxamp.__all__:
+    assert getattr(jaxamp, name).__doc__, name
+  assert jaxamp.__all__ == sorted(jaxamp.__all__)
