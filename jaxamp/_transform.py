@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._scale_update import update_loss_scale
 from jaxamp._unscale import unscale_and_check
 from jaxamp._validation import (
@@ -45,8 +46,20 @@ def _count_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
   return jnp.where(condition, optax.safe_increment(counter), counter)
 
 
-def _zeros_like_output(shape_tree: Any) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape_tree)
+def _like(value: jax.Array, template: Any) -> jax.Array:
+  """``value`` marked as varying over the same ``shard_map`` axes as ``template``."""
+  missing = tuple(sorted(varying_axes(template) - varying_axes(value)))
+  return lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _skipped_step(unscaled_step, inner_state):
+  """Zero updates and the untouched inner state, typed as ``unscaled_step``'s output."""
+  updates_out, state_out = jax.eval_shape(unscaled_step)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_out)
+  return (
+      jax.tree.map(_like, zeros, updates_out),
+      jax.tree.map(_like, inner_state, state_out),
+  )
 
 
 def dynamic_loss_scale(
@@ -57,6 +70,7 @@ def dynamic_loss_scale(
     backoff_factor: float | jax.Array = 0.5,
     growth_interval: int | jax.Array = 2000,
     enabled: bool = True,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -87,6 +101,13 @@ def dynamic_loss_scale(
       less never grows, as in torch).
     enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, there
       is no check, and ``inner`` sees the gradients as given.
+    axis_name: for per-device gradients under ``jax.shard_map`` (or ``pmap``):
+      the mapped axis (or axes) over which the finiteness flag is all-reduced,
+      so every device skips the same steps and keeps the same scale, as torch
+      all-reduces ``found_inf``. Not needed under ``jax.jit`` with sharded
+      arrays, where the check is already global. Without it under
+      ``shard_map``, each device decides from its own gradients and replicas
+      can diverge.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -138,15 +159,15 @@ def dynamic_loss_scale(
       return new_updates, state._replace(inner_state=inner_state)
 
     unscaled, found_inf = unscale_and_check(updates, state.loss_scale)
+    if axis_name is not None:
+      found_inf = all_reduce_found_inf(found_inf, state, axis_name)
 
     def apply_inner():
       return inner.update(unscaled, state.inner_state, params, **extra_args)
 
-    def skip():
-      new_updates_shape, _ = jax.eval_shape(apply_inner)
-      return _zeros_like_output(new_updates_shape), state.inner_state
-
-    new_updates, inner_state = lax.cond(found_inf, skip, apply_inner)
+    new_updates, inner_state = lax.cond(
+        found_inf, lambda: _skipped_step(apply_inner, state.inner_state), apply_inner
+    )
     loss_scale, growth_tracker = update_loss_scale(
         state.loss_scale,
         state.growth_tracker,

@@ -1,0 +1,56 @@
+"""One skip decision for all devices: the all-reduced finiteness flag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes a value varies over inside ``shard_map`` (empty elsewhere)."""
+  aval = jax.typeof(x)
+  varying = getattr(aval, "vma", None)
+  if varying is None:  # newer JAX spells it manual_axis_type.varying
+    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(varying or ())
+
+
+def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _check_replicated(state: Any, axis_names: tuple[str, ...]) -> None:
+  for field in ("loss_scale", "growth_tracker"):
+    value = getattr(state, field)
+    varying = set(varying_axes(value)) & set(axis_names)
+    if varying:
+      raise ValueError(
+          f"jaxamp: the loss-scale state must be replicated over {axis_names}, but "
+          f"{field} varies over {sorted(varying)}. Pass the optimizer state with "
+          "a replicated spec (P()) to shard_map."
+      )
+
+
+def all_reduce_found_inf(
+    found_inf: jax.Array, state: Any, axis_name: str | tuple[str, ...]
+) -> jax.Array:
+  """``found_inf`` OR-ed over the devices of ``axis_name``.
+
+  Raises:
+    ValueError: ``axis_name`` is not bound (not inside ``shard_map``/``pmap``
+      over it), or the scale state differs between those devices.
+  """
+  names = _axis_names(axis_name)
+  _check_replicated(state, names)
+  try:
+    count = lax.psum(found_inf.astype(jnp.int32), names)
+  except NameError as error:
+    raise ValueError(
+        f"jaxamp: axis_name={axis_name!r} is not bound here. Call the update "
+        "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
+        f"unset under plain jax.jit. ({error})"
+    ) from None
+  return count > 0
