@@ -105,7 +105,7 @@ def _limbs_to_bits(limbs):
 
 def _bits_to_limbs(bits):
   positions = jnp.arange(_LIMB_BITS, dtype=jnp.int32)
-  return list(jnp.sum(bits.reshape(_PRODUCT_LIMBS, _LIMB_BITS) << positions, axis=1))
+  return list(jnp.sum(bits.reshape(_PRODUCT_LIMBS, _LIMB_BITS) << positions, axis=1, dtype=jnp.int32))
 
 
 def _add_limbs(a: list, b: list) -> list:
@@ -133,9 +133,9 @@ def _round_nearest_even(bits, exponent, precision, min_exponent):
   same grid. (1 - 2**-24) * 2**128 and above is left to the caller to overflow."""
   index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
   shift = _lsb_shift(bits, exponent, precision, min_exponent)
-  round_bit = jnp.sum(jnp.where(index == shift - 1, bits, 0))
+  round_bit = jnp.sum(jnp.where(index == shift - 1, bits, 0), dtype=jnp.int32)
   sticky = jnp.any((bits != 0) & (index < shift - 1)).astype(jnp.int32)
-  lsb = jnp.sum(jnp.where(index == shift, bits, 0))
+  lsb = jnp.sum(jnp.where(index == shift, bits, 0), dtype=jnp.int32)
   increment = jnp.where(index == shift, round_bit & (sticky | lsb), 0)
   truncated = jnp.where(index >= shift, bits, 0)
   return _limbs_to_bits(_add_limbs(_bits_to_limbs(truncated), _bits_to_limbs(increment)))
@@ -146,7 +146,7 @@ def _pack_f32_bits(bits, exponent):
   index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
   shift = _lsb_shift(bits, exponent, 24, -149)
   significand = jnp.sum(
-      jnp.where(index >= shift, bits << jnp.clip(index - shift, 0, 24), 0)
+      jnp.where(index >= shift, bits << jnp.clip(index - shift, 0, 24), 0), dtype=jnp.int32
   )
   lsb_exponent = shift + exponent
   biased = jnp.where(significand >= (1 << 23), lsb_exponent + 150, 0)

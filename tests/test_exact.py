@@ -145,3 +145,14 @@ def _round_once_to_f32(scale, factor):
       candidates,
       key=lambda c: (abs(Fraction(float(c)) - exact), int(np.asarray(c).view(np.uint32)) & 1),
   )
+
+
+def test_multiply_exact_in_x64_mode_with_float64_factor():
+  # With jax_enable_x64, int sums would default to int64; the emulation must
+  # stay int32, and a float64 factor array is used with its full value.
+  with jax.enable_x64(True):
+    scale = jnp.float32(2.593742609024048)
+    for factor in (0.9, jnp.float64(0.9)):
+      result = jax.jit(multiply_exact)(scale, factor)
+      assert result.dtype == jnp.float32 and result.shape == ()
+      assert float(result) == 2.3343682289123535  # torch (SPEC 5.4)
