@@ -45,12 +45,15 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
   return jnp.isfinite(jnp.sum(grad * jnp.zeros([], grad.dtype), dtype=jnp.float32))
 
 
+def leaf_finite_flags(tree: Any) -> jax.Array:
+  """Per array leaf (in ``jax.tree.leaves`` order), whether it is all finite."""
+  flags = [_leaf_is_finite(leaf) for leaf in jax.tree.leaves(tree)]
+  return jnp.stack(flags) if flags else jnp.ones([0], bool)
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Whether every element of every array leaf is finite (``None`` skipped)."""
-  flags = [_leaf_is_finite(leaf) for leaf in jax.tree.leaves(tree)]
-  if not flags:
-    return jnp.ones([], bool)
-  return jnp.all(jnp.stack(flags))
+  return jnp.all(leaf_finite_flags(tree))
 
 
 def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
