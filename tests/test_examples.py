@@ -1,0 +1,48 @@
+"""The examples run end to end, briefly (CI-sized)."""
+
+import importlib
+import pathlib
+
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def import_example(monkeypatch):
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  return importlib.import_module
+
+
+@pytest.mark.parametrize("name", ["nnx_digits", "linen_digits"])
+def test_digits_example_trains_and_writes_png(name, import_example, tmp_path, capsys):
+  png = tmp_path / "curves.png"
+  result = import_example(name).main(["--steps", "20", "--out", str(png)])
+  assert png.read_bytes()[:8] == PNG_MAGIC
+  losses = result["losses"]
+  assert losses.shape == (20,) and np.all(np.isfinite(losses))
+  assert losses[-5:].mean() < losses[:5].mean()
+  assert result["test_accuracy"] > 0.4  # ten classes: chance is 0.1
+  assert result["skipped_steps"] == 0
+  assert "test accuracy" in capsys.readouterr().out
+
+
+def test_underflow_study_writes_markdown_table(import_example, tmp_path):
+  out = tmp_path / "underflow.md"
+  args = ["--steps", "12", "--depths", "2", "--measure-every", "4", "--out", str(out)]
+  results = import_example("underflow_study").main(args)
+  text = out.read_text()
+  rows = [line for line in text.splitlines() if line.startswith("| 2 |")]
+  assert [row.split(" | ")[1] for row in rows] == [
+      "float32",
+      "float16",
+      "float16 + jaxamp",
+      "float16 + jaxamp, growth_interval=200",
+  ]
+  assert "python examples/underflow_study.py --steps 12 --depths 2" in text
+  for name, r in results[2].items():
+    assert 0.0 <= r["accuracy"] <= 1.0
+    if name != "float32":
+      assert 0.0 <= r["underflow"] <= 1.0
