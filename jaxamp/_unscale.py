@@ -87,8 +87,14 @@ def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array
     >>> grads["w"].tolist(), bool(found_inf)
     ([1.0, inf], True)
   """
+  unscaled, finite = unscale_and_check_leaves(grads, loss_scale)
+  return unscaled, ~jnp.all(finite)
+
+
+def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
+  """:func:`unscale_and_check` with the finiteness of each leaf (bool ``[n]``)."""
   check_float_gradients(grads)
   inv_scale = inverse_scale(loss_scale)
-  found_inf = ~all_finite(grads)
+  finite = leaf_finite_flags(grads)
   unscaled = jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
-  return unscaled, found_inf
+  return unscaled, finite
