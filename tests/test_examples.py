@@ -46,3 +46,27 @@ def test_underflow_study_writes_markdown_table(import_example, tmp_path):
     assert 0.0 <= r["accuracy"] <= 1.0
     if name != "float32":
       assert 0.0 <= r["underflow"] <= 1.0
+
+
+def _python_blocks(markdown):
+  blocks, inside = [], None
+  for line in markdown.splitlines():
+    if inside is None and line.strip() == "```python":
+      inside = []
+    elif inside is not None and line.strip() == "```":
+      blocks.append("\n".join(inside))
+      inside = None
+    elif inside is not None:
+      inside.append(line)
+  return blocks
+
+
+def test_flax_docs_code_blocks_run(capsys):
+  docs = (EXAMPLES.parent / "docs" / "flax.md").read_text()
+  blocks = _python_blocks(docs)
+  assert len(blocks) == 3
+  for block in blocks:
+    exec(compile(block, "docs/flax.md", "exec"), {})
+  printed = capsys.readouterr().out.split("\n")
+  # each loop prints "<loss> 65536.0 0": three steps at the default scale, none skipped
+  assert [line.split()[1:] for line in printed if line] == [["65536.0", "0"]] * 2
