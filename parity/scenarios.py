@@ -43,13 +43,15 @@ class Scenario:
     inject: ``{step: ((torch_param_name, flat_index, value), ...)}`` written into
       the scaled gradients after backward.
     clip: ``clip_grad_norm_`` max norm after ``unscale_`` (``clip_by_global_norm``).
+    explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
     new_scale: ``{step: value}``: ``update(new_scale=value)`` at that step.
     initial_tracker: a growth tracker loaded before the first step.
     accumulate: micro-batches whose scaled gradients are summed per step.
     autocast: torch autocast dtype (the Flax model is built with the same dtype).
     resume: ``(step, "jax" | "torch")``: after ``step`` steps, the other
       framework's checkpoint is loaded into this one, which continues from it.
-    param_rtol: relative tolerance for parameters and optimizer states.
+    param_rtol: relative tolerance for parameters.
+    state_rtol: relative tolerance for optimizer states (default ``param_rtol``).
     spec: the SPEC.md section 6 scenario numbers covered.
     apis: the jaxamp APIs that can express it.
     plot: whether the report draws its scale and loss curves.
@@ -63,12 +65,14 @@ class Scenario:
   scaler: dict = dataclasses.field(default_factory=dict)
   inject: dict = dataclasses.field(default_factory=dict)
   clip: float | None = None
+  explicit_unscale: bool = False
   new_scale: dict = dataclasses.field(default_factory=dict)
   initial_tracker: int | None = None
   accumulate: int = 1
   autocast: str | None = None
   resume: tuple[int, str] | None = None
   param_rtol: float = 1e-5
+  state_rtol: float | None = None
   spec: tuple[int, ...] = ()
   apis: tuple[str, ...] = ("optax", "grad_scaler")
   plot: bool = False
@@ -122,6 +126,224 @@ SCENARIOS: list[Scenario] = [
         "SPEC 5.5: -inf at steps 2, 4, 5 with interval 1 (growth on every clean step).",
         models.linear10, steps=7, scaler=_factors(65536.0, 2.0, 0.5, 1),
         inject=_at([2, 4, 5], -INF, "0.weight", 50), spec=(11,),
+    ),
+    Scenario(
+        "linear_growth_cap",
+        "SPEC 12: init 2**125, growth 2, interval 1, zero loss: the growth that would "
+        "overflow float32 is dropped and the scale stays 2**127; tracker 0 each step.",
+        _zero_linear, steps=5, scaler=_factors(2.0**125, 2.0, 0.5, 1), spec=(12,),
+    ),
+    Scenario(
+        "linear_growth_cap_odd",
+        "SPEC 13: init 4e37, growth 3, interval 2, zero loss: one growth then capped.",
+        _zero_linear, steps=6, scaler=_factors(4e37, 3.0, 0.5, 2), spec=(13,),
+    ),
+    Scenario(
+        "linear_noop_growth",
+        "SPEC 14: growth 1.00000001 rounds back to the same float32 scale.",
+        models.linear10, steps=4, scaler=_factors(1.0, 1.00000001, 0.5, 1), spec=(14,),
+    ),
+    Scenario(
+        "linear_backoff_to_zero",
+        "SPEC 15, 16: inf at every step backs 65536 off through the subnormals to 0.0 "
+        "after 166 updates; the first clean step then unscales 0 * inf = NaN undetected "
+        "and applies it (parameters NaN), later steps are skipped.",
+        models.linear10, steps=170, scaler=_factors(65536.0, 2.0, 0.5, 2000),
+        inject=_at(range(167), INF), spec=(15, 16),
+    ),
+    Scenario(
+        "vector_subnormal_scale",
+        "SPEC 17: init 1e-39 (< 1/FLT_MAX): inv_scale is inf, the unscaled grads are "
+        "+-inf but found_inf is 0, so the step is taken; the scale grows.",
+        lambda: models.vectors({"p": "float32"}), steps=2,
+        scaler=_factors(1e-39, 2.0, 0.5, 1), spec=(17,),
+    ),
+    Scenario(
+        "linear_inf_scale",
+        "SPEC 18: update(new_scale=inf) at step 1; every later step is skipped, scale inf.",
+        models.linear10, steps=5, scaler=_factors(8.0, 2.0, 0.5, 1), new_scale={1: INF},
+        spec=(18,),
+    ),
+    Scenario(
+        "linear_nan_scale",
+        "SPEC 18: update(new_scale=nan) at step 1; every later step is skipped, scale NaN.",
+        models.linear10, steps=5, scaler=_factors(8.0, 2.0, 0.5, 1), new_scale={1: NAN},
+        spec=(18,),
+    ),
+    Scenario(
+        "linear_update_new_scale",
+        "SPEC 43: update(new_scale=2.5) at step 2 and 1/3 at step 5 set the scale "
+        "(1/3 -> 0.3333333432674408) and leave the tracker alone, even on an inf step.",
+        models.linear10, steps=10, scaler=_factors(8.0, 2.0, 0.5, 3),
+        new_scale={2: 2.5, 5: 1 / 3}, inject=_at([5], INF), spec=(43,),
+    ),
+    Scenario(
+        "linear_tracker_above_interval",
+        "SPEC 47: a loaded tracker 5 with interval 3 never equals it: no growth, 6, 7, ...",
+        models.linear10, steps=4, scaler=_factors(8.0, 2.0, 0.5, 3), initial_tracker=5,
+        spec=(47,),
+    ),
+    Scenario(
+        "linear_interval_zero",
+        "SPEC 48: growth_interval 0 never grows; the tracker counts 1, 2, 3, ...",
+        models.linear10, steps=4, scaler=_factors(8.0, 2.0, 0.5, 0), spec=(48,),
+    ),
+    Scenario(
+        "linear_interval_negative",
+        "SPEC 48: growth_interval -1 never grows; an inf step still backs off.",
+        models.linear10, steps=5, scaler=_factors(8.0, 2.0, 0.5, -1), inject=_at([2], INF),
+        spec=(48,),
+    ),
+    Scenario(
+        "linear_tracker_wrap",
+        "SPEC 50: tracker 2**31-1 plus one clean step wraps to -2**31 (int32).",
+        models.linear10, steps=3, scaler=_factors(8.0, 2.0, 0.5, 2000),
+        initial_tracker=2**31 - 1, spec=(50,),
+    ),
+    Scenario(
+        "linear_grad_accumulation",
+        "SPEC 32: two scaled backward passes per step add up before one unscale/step; "
+        "inf injected into the summed gradient at step 3.",
+        models.linear10, steps=8, scaler=_factors(4.0, 2.0, 0.5, 2), accumulate=2,
+        inject=_at([3], INF), spec=(32,),
+    ),
+    Scenario(
+        "linear_clip",
+        "SPEC 26, 27: unscale_ then clip_grad_norm_(1.0) (optax: clip_by_global_norm "
+        "inside the wrapper); inf at steps 2 and 5 is still skipped. torch divides by "
+        "norm + 1e-6, optax by norm: a relative difference of 1e-6 / norm per step.",
+        models.linear10, steps=10, scaler=_factors(1024.0, 2.0, 0.5, 3), clip=1.0,
+        inject=_at([2, 5], INF), spec=(26, 27),
+    ),
+    Scenario(
+        "linear_adam_skip_first",
+        "SPEC 33, 34: Adam with inf at steps 0 and 3: torch's state stays empty after "
+        "the skipped first step (optax: count 0, zero moments), counts 0,1,2,2,3,4,5.",
+        models.linear10, optimizers=ADAM, steps=7, scaler=_factors(1024.0, 2.0, 0.5, 2),
+        inject=_at([0, 3], INF), spec=(33, 34),
+    ),
+    Scenario(
+        "linear_momentum",
+        "SPEC 35: momentum SGD (0.9), init 7, backoff 0.25, interval 2, inf at 1 and 5: "
+        "the momentum buffer is untouched on skipped steps.",
+        models.linear10, optimizers=MOMENTUM, steps=7, scaler=_factors(7.0, 2.0, 0.25, 2),
+        inject=_at([1, 5], INF), spec=(35,),
+    ),
+    Scenario(
+        "linear_adam_fused",
+        "SPEC 36: torch's fused Adam (the _step_supports_amp_scaling path) against "
+        "optax.adam; init 4, interval 1, inf at step 1. A fused step leaves .grad scaled "
+        "on an inf step, so torch's unscaled grads are observed through an explicit "
+        "unscale_ before step (SPEC 36: same params and state either way).",
+        models.linear10, optimizers=(OptSpec("adam", 0.01, fused=True),), steps=5,
+        scaler=_factors(4.0, 2.0, 0.5, 1), inject=_at([1], INF), spec=(36,),
+        explicit_unscale=True,
+    ),
+    Scenario(
+        "linear_disabled",
+        "SPEC 55: enabled=False: scale 1, no check, the injected inf is applied and the "
+        "parameters go inf/NaN the same way in both.",
+        models.linear10, steps=4, scaler=dict(enabled=False), inject=_at([1], INF),
+        spec=(55,),
+    ),
+    Scenario(
+        "vector_bf16",
+        "SPEC 19, 21: bfloat16 parameters, scale 3 (inv 1/3 is not dyadic), inf at step 2. "
+        "Tolerance 2**-7 (one bfloat16 ulp): torch's SGD rounds p - lr*g once, optax "
+        "rounds lr*g to bfloat16 first.",
+        lambda: models.vectors({"p": "bfloat16"}), steps=8,
+        scaler=_factors(3.0, 2.0, 0.5, 3), inject=_at([2], INF, "p", 1), param_rtol=2**-7,
+        spec=(19, 21),
+    ),
+    Scenario(
+        "vector_bf16_unscale_overflow",
+        "SPEC 23: a finite bfloat16 gradient 3e38 at scale 0.5 unscales to inf; "
+        "found_inf is 0 (detection looks at the scaled input) and the step is taken.",
+        lambda: models.vectors({"p": "bfloat16"}), steps=3,
+        scaler=_factors(0.5, 2.0, 0.5, 2000), inject=_at([1], 3e38, "p", 0),
+        param_rtol=2**-7, spec=(23,),
+    ),
+    Scenario(
+        "vector_mixed_dtypes",
+        "SPEC 59: float32 and bfloat16 parameters in one optimizer; inf only in the "
+        "bfloat16 one skips both. Tolerance 2**-7 as vector_bf16.",
+        lambda: models.vectors({"p": "float32", "q": "bfloat16"}), steps=6,
+        scaler=_factors(4.0, 2.0, 0.5, 2), inject=_at([2], INF, "q", 3), param_rtol=2**-7,
+        spec=(59,),
+    ),
+    Scenario(
+        "two_layer_inf_one_layer",
+        "Linear -> ReLU -> Linear, momentum SGD, non-dyadic factors; inf, -inf and NaN "
+        "written into one layer only (2.bias, then 0.weight) at scripted steps.",
+        models.two_layer, optimizers=MOMENTUM, steps=16, scaler=_factors(3.0, 1.5, 0.3, 3),
+        inject={2: (("2.bias", 1, INF),), 3: (("2.bias", 0, INF),),
+                7: (("0.weight", 17, -INF),), 11: (("0.weight", 159, NAN),)},
+        spec=(24,),
+    ),
+    Scenario(
+        "two_layer_two_optimizers",
+        "Linear -> ReLU -> Linear, momentum SGD on layer 0 and Adam on layer 2 "
+        "(optax: multi_transform in one wrapper); inf and NaN in both layers on the "
+        "same steps, so both optimizers skip together.",
+        models.two_layer,
+        optimizers=(OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
+                    OptSpec("adam", 0.01, prefix="2.")),
+        steps=12, scaler=_factors(8.0, 2.0, 0.5, 2),
+        inject={3: (("0.weight", 0, INF), ("2.bias", 0, NAN)),
+                8: (("0.bias", 2, -INF), ("2.weight", 5, INF))},
+        spec=(29,),
+    ),
+    Scenario(
+        "two_layer_adamw_save_torch_resume_jax",
+        "SPEC 44 across frameworks: AdamW, init 3, growth 1.5, backoff 0.3, interval 3, "
+        "inf at 3 and 7; after 5 steps torch's checkpoint (scaler state_dict, weights, "
+        "optimizer state) is loaded into jaxamp, which continues.",
+        models.two_layer, optimizers=ADAMW, steps=11, scaler=_factors(3.0, 1.5, 0.3, 3),
+        inject=_at([3, 7], INF), resume=(5, "jax"), spec=(44,),
+    ),
+    Scenario(
+        "two_layer_adam_save_jax_resume_torch",
+        "SPEC 44 the other way: jaxamp's checkpoint after 5 steps is loaded into a "
+        "fresh GradScaler('cpu') (before its first scale()) and a fresh torch Adam.",
+        models.two_layer, optimizers=ADAM, steps=11, scaler=_factors(3.0, 1.5, 0.3, 3),
+        inject=_at([3, 7], INF), resume=(5, "torch"), spec=(44,),
+    ),
+    Scenario(
+        "mlp_digits",
+        "Real data: a 64-32-10 MLP classifying scikit-learn's digits, momentum SGD, "
+        "200 steps, default scale with interval 50, inf/NaN at 4 steps.",
+        models.mlp_digits, optimizers=(OptSpec("sgd", 0.1, momentum=0.9),), steps=200,
+        scaler=_factors(65536.0, 2.0, 0.5, 50),
+        inject={30: (("0.weight", 3, INF),), 31: (("2.bias", 1, NAN),),
+                120: (("2.weight", 7, -INF),), 150: (("0.bias", 0, INF),)},
+        plot=True,
+    ),
+    Scenario(
+        "cnn_digits",
+        "Real data: Conv2d(1,4,3) -> ReLU -> Linear on the digits, "
+        "momentum SGD, 200 steps, interval 40, inf at 2 steps. Tolerances 1e-4 "
+        "(parameters) and 1e-2 (momentum buffers): torch against itself, 1 against 2 "
+        "intra-op threads (a different convolution summation order), drifts apart by "
+        "4.6e-5 and 1.5e-3 over these 200 steps; a ReLU input near zero can flip sign "
+        "with the rounding and momentum buffers are sums of cancelling gradients.",
+        models.cnn_digits, optimizers=(OptSpec("sgd", 0.1, momentum=0.9),), steps=200,
+        scaler=_factors(65536.0, 2.0, 0.5, 40),
+        inject={60: (("0.weight", 5, INF),), 61: (("3.weight", 100, INF),)},
+        param_rtol=1e-4, state_rtol=1e-2, plot=True,
+    ),
+    Scenario(
+        "mlp_digits_fp16",
+        "float16 compute: torch autocast('cpu', float16) against Flax Dense(dtype=float16, "
+        "param_dtype=float32); SGD, 200 steps, scale 2**20 with interval 20, so float16 "
+        "overflows happen by themselves and must be found on the same steps. Parameter "
+        "tolerance 1e-2: float16 rounds to 2**-11 (4.9e-4) relative, the two frameworks "
+        "round activations and gradients in different places, and the per-step gradient "
+        "difference measured at step 0 is up to 1e-3 relative; over 200 steps at lr 0.1 "
+        "the parameters drift apart by 1.5e-3 (measured), 1e-2 leaves 6x headroom.",
+        functools.partial(models.mlp_digits, compute_dtype="float16"),
+        optimizers=(OptSpec("sgd", 0.1),), steps=200,
+        scaler=_factors(2.0**20, 2.0, 0.5, 20), autocast="float16", param_rtol=1e-2,
+        plot=True,
     ),
 ]
 
