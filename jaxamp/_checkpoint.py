@@ -38,8 +38,8 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 EMPTY_STATE_DICT_MESSAGE = (
-    "The source state dict is empty, possibly because it was saved from a "
-    "disabled instance of GradScaler."
+  "The source state dict is empty, possibly because it was saved from a "
+  "disabled instance of GradScaler."
 )
 FLOAT_OVERFLOW_MESSAGE = "value cannot be converted to type float without overflow"
 INT_OVERFLOW_MESSAGE = "value cannot be converted to type int without overflow"
@@ -53,8 +53,8 @@ def _plain(value: Any) -> Any:
 def _real(key: str, value: Any) -> float | int:
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
     raise TypeError(
-        f"jaxamp: state dict entry {key!r} must be a real Python number, got "
-        f"{type(value).__name__} {value!r}; nothing was loaded."
+      f"jaxamp: state dict entry {key!r} must be a real Python number, got "
+      f"{type(value).__name__} {value!r}; nothing was loaded."
     )
   return _plain(value)
 
@@ -62,8 +62,8 @@ def _real(key: str, value: Any) -> float | int:
 def _integer(key: str, value: Any, low: int, high: int, message: str) -> int:
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
     raise TypeError(
-        f"jaxamp: state dict entry {key!r} must be an int, got "
-        f"{type(value).__name__} {value!r}; nothing was loaded."
+      f"jaxamp: state dict entry {key!r} must be an int, got "
+      f"{type(value).__name__} {value!r}; nothing was loaded."
     )
   value = int(value)
   if not low <= value <= high:
@@ -81,51 +81,49 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
     KeyError: a key is missing. ValueError: there are unexpected keys.
   """
   if not isinstance(state_dict, Mapping):
-    raise TypeError(
-        f"jaxamp: a state dict must be a mapping, got {type(state_dict).__name__}."
-    )
+    raise TypeError(f"jaxamp: a state dict must be a mapping, got {type(state_dict).__name__}.")
   if len(state_dict) == 0:
     raise RuntimeError(EMPTY_STATE_DICT_MESSAGE)
   missing = [key for key in STATE_DICT_KEYS if key not in state_dict]
   if missing:
     raise KeyError(
-        f"{missing[0]} (jaxamp: the state dict lacks {missing}; expected the keys "
-        f"{list(STATE_DICT_KEYS)}; nothing was loaded)"
+      f"{missing[0]} (jaxamp: the state dict lacks {missing}; expected the keys "
+      f"{list(STATE_DICT_KEYS)}; nothing was loaded)"
     )
   extra = [key for key in state_dict if key not in STATE_DICT_KEYS]
   if extra:
     raise ValueError(
-        f"jaxamp: unexpected state dict keys {extra}; expected exactly "
-        f"{list(STATE_DICT_KEYS)}; nothing was loaded."
+      f"jaxamp: unexpected state dict keys {extra}; expected exactly "
+      f"{list(STATE_DICT_KEYS)}; nothing was loaded."
     )
   scale = _real("scale", state_dict["scale"])
   if math.isfinite(scale) and abs(scale) > _FLT_MAX:
     raise RuntimeError(
-        f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
-        "range; nothing was loaded)"
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
+      "range; nothing was loaded)"
     )
   return {
-      "scale": scale,
-      "growth_factor": _real("growth_factor", state_dict["growth_factor"]),
-      "backoff_factor": _real("backoff_factor", state_dict["backoff_factor"]),
-      "growth_interval": _integer(
-          "growth_interval",
-          state_dict["growth_interval"],
-          _INT64_MIN,
-          _INT64_MAX,
-          "value cannot be converted to type int64_t without overflow",
-      ),
-      "_growth_tracker": _integer(
-          "_growth_tracker",
-          state_dict["_growth_tracker"],
-          _INT32_MIN,
-          _INT32_MAX,
-          INT_OVERFLOW_MESSAGE,
-      ),
+    "scale": scale,
+    "growth_factor": _real("growth_factor", state_dict["growth_factor"]),
+    "backoff_factor": _real("backoff_factor", state_dict["backoff_factor"]),
+    "growth_interval": _integer(
+      "growth_interval",
+      state_dict["growth_interval"],
+      _INT64_MIN,
+      _INT64_MAX,
+      "value cannot be converted to type int64_t without overflow",
+    ),
+    "_growth_tracker": _integer(
+      "_growth_tracker",
+      state_dict["_growth_tracker"],
+      _INT32_MIN,
+      _INT32_MAX,
+      INT_OVERFLOW_MESSAGE,
+    ),
   }
 
 
-def scale_array(scale: float | int) -> jax.Array:
+def scale_array(scale: float) -> jax.Array:
   """``float32(scale)`` rounded to nearest, as torch's ``fill_`` (checked range)."""
   return jnp.asarray(np.float32(scale))
 
@@ -135,11 +133,11 @@ def tracker_array(tracker: int) -> jax.Array:
 
 
 def state_dict(
-    opt_state: Any,
-    *,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
+  opt_state: Any,
+  *,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
 ) -> dict[str, Any]:
   """The loss-scale state of ``opt_state`` as torch's ``GradScaler.state_dict()``.
 
@@ -168,11 +166,11 @@ def state_dict(
   """
   loss_scale_state = find_loss_scale_state(opt_state)
   return {
-      "scale": float(_array(loss_scale_state.loss_scale)),
-      "growth_factor": _plain(growth_factor),
-      "backoff_factor": _plain(backoff_factor),
-      "growth_interval": _plain(growth_interval),
-      "_growth_tracker": int(_array(loss_scale_state.growth_tracker)),
+    "scale": float(_array(loss_scale_state.loss_scale)),
+    "growth_factor": _plain(growth_factor),
+    "backoff_factor": _plain(backoff_factor),
+    "growth_interval": _plain(growth_interval),
+    "_growth_tracker": int(_array(loss_scale_state.growth_tracker)),
   }
 
 
@@ -188,12 +186,12 @@ def _is_loss_scale_state(x: Any) -> bool:
 
 
 def load_state_dict(
-    opt_state: Any,
-    state_dict: Mapping[str, Any],
-    *,
-    growth_factor: float | None = None,
-    backoff_factor: float | None = None,
-    growth_interval: int | None = None,
+  opt_state: Any,
+  state_dict: Mapping[str, Any],
+  *,
+  growth_factor: float | None = None,
+  backoff_factor: float | None = None,
+  growth_interval: int | None = None,
 ) -> Any:
   """Returns ``opt_state`` with the scale and growth tracker of ``state_dict``.
 
@@ -232,20 +230,20 @@ def load_state_dict(
   """
   checked = check_state_dict(state_dict)
   for name, expected in (
-      ("growth_factor", growth_factor),
-      ("backoff_factor", backoff_factor),
-      ("growth_interval", growth_interval),
+    ("growth_factor", growth_factor),
+    ("backoff_factor", backoff_factor),
+    ("growth_interval", growth_interval),
   ):
     if expected is not None and _plain(expected) != checked[name]:
       raise ValueError(
-          f"jaxamp: the state dict has {name}={checked[name]!r} but the optimizer "
-          f"was built with {expected!r}; build dynamic_loss_scale with the saved "
-          "hyperparameters. Nothing was loaded."
+        f"jaxamp: the state dict has {name}={checked[name]!r} but the optimizer "
+        f"was built with {expected!r}; build dynamic_loss_scale with the saved "
+        "hyperparameters. Nothing was loaded."
       )
   if _opt_state_of(opt_state) is not opt_state:
     raise TypeError(
-        "jaxamp.load_state_dict takes the optimizer state itself (e.g. "
-        "optimizer.opt_state) and returns a new one."
+      "jaxamp.load_state_dict takes the optimizer state itself (e.g. "
+      "optimizer.opt_state) and returns a new one."
     )
   find_loss_scale_state(opt_state)  # exactly one, or a clear error
   scale = scale_array(checked["scale"])
@@ -255,8 +253,8 @@ def load_state_dict(
     if not _is_loss_scale_state(node):
       return node
     return node._replace(
-        loss_scale=_with_value(node.loss_scale, scale),
-        growth_tracker=_with_value(node.growth_tracker, tracker),
+      loss_scale=_with_value(node.loss_scale, scale),
+      growth_tracker=_with_value(node.growth_tracker, tracker),
     )
 
   return jax.tree.map(replace, opt_state, is_leaf=_is_loss_scale_state)

@@ -32,11 +32,11 @@ import numpy as np
 from jax import lax
 
 from jaxamp._checkpoint import (
-    FLOAT_OVERFLOW_MESSAGE,
-    STATE_DICT_KEYS,
-    check_state_dict,
-    scale_array,
-    tracker_array,
+  FLOAT_OVERFLOW_MESSAGE,
+  STATE_DICT_KEYS,
+  check_state_dict,
+  scale_array,
+  tracker_array,
 )
 from jaxamp._optimizer import Optimizer
 from jaxamp._scale_update import update_loss_scale
@@ -47,8 +47,8 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 
 # torch's messages (SPEC 4), raised as RuntimeError where torch asserts.
 _NOT_SCALED = (
-    "Attempted {} but _scale is None.  This may indicate your script did not use "
-    "scaler.scale(loss or outputs) earlier in the iteration."
+  "Attempted {} but _scale is None.  This may indicate your script did not use "
+  "scaler.scale(loss or outputs) earlier in the iteration."
 )
 _OUTPUTS = "outputs must be a Tensor or an iterable of Tensors"
 _UNSCALE_TWICE = "unscale_() has already been called on this optimizer since the last update()."
@@ -96,7 +96,7 @@ class _Static:
     self.values = values
     self._key = tuple(_static_key(v) for v in values)
 
-  def __eq__(self, other: Any) -> bool:
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, _Static) and self._key == other._key
 
   def __hash__(self) -> int:
@@ -113,8 +113,8 @@ def _python_number(name: str, value: Any, *, integer: bool = False) -> int | flo
     elif isinstance(value, jax.Array):
       hint = " GradScaler keeps its hyperparameters as static Python numbers."
     raise TypeError(
-        f"jaxamp: {name} must be {'an int' if integer else 'a real Python number'}, "
-        f"got {type(value).__name__} {value!r}.{hint}"
+      f"jaxamp: {name} must be {'an int' if integer else 'a real Python number'}, "
+      f"got {type(value).__name__} {value!r}.{hint}"
     )
   return value.item() if isinstance(value, np.generic) else value
 
@@ -144,8 +144,8 @@ def _scale_array(value: Any, scale: jax.Array) -> jax.Array:
 def _key_of(optimizer: Any) -> int:
   if not isinstance(optimizer, Optimizer):
     raise TypeError(
-        "jaxamp.GradScaler expects a jaxamp.Optimizer (an optax transformation "
-        f"with its params, state and grads), got {type(optimizer).__name__}."
+      "jaxamp.GradScaler expects a jaxamp.Optimizer (an optax transformation "
+      f"with its params, state and grads), got {type(optimizer).__name__}."
     )
   return optimizer._key
 
@@ -154,9 +154,9 @@ def _checked_new_scale(new_scale: Any) -> jax.Array:
   """``update(new_scale=...)``: a finite scalar float, as a float32 array."""
   if isinstance(new_scale, (bool, np.bool_)) or isinstance(new_scale, numbers.Integral):
     raise TypeError(
-        "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
-        f"{type(new_scale).__name__} {new_scale!r} (torch raises AttributeError "
-        "here); write it as a float, e.g. 2.0. The scaler is unchanged."
+      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
+      f"{type(new_scale).__name__} {new_scale!r} (torch raises AttributeError "
+      "here); write it as a float, e.g. 2.0. The scaler is unchanged."
     )
   if isinstance(new_scale, numbers.Real):
     value = float(new_scale)
@@ -164,27 +164,27 @@ def _checked_new_scale(new_scale: Any) -> jax.Array:
     array = new_scale if isinstance(new_scale, jax.Array) else np.asarray(new_scale)
     if array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
       raise ValueError(
-          "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-          "torch.FloatTensor with requires_grad=False. (jaxamp: got an array of "
-          f"shape {array.shape} and dtype {array.dtype}; pass a 0-dim float array. "
-          "The scaler is unchanged.)"
+        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+        "torch.FloatTensor with requires_grad=False. (jaxamp: got an array of "
+        f"shape {array.shape} and dtype {array.dtype}; pass a 0-dim float array. "
+        "The scaler is unchanged.)"
       )
     if isinstance(array, jax.core.Tracer):
       return array.astype(jnp.float32)  # traced: cannot be checked here
     value = float(np.asarray(array))
   else:
     raise TypeError(
-        "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
-        f"{type(new_scale).__name__}. The scaler is unchanged."
+      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
+      f"{type(new_scale).__name__}. The scaler is unchanged."
     )
   if math.isfinite(value) and abs(value) > _FLT_MAX:
     raise RuntimeError(
-        f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: new_scale={value!r}; the scaler is unchanged)"
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: new_scale={value!r}; the scaler is unchanged)"
     )
   if not math.isfinite(value):
     raise ValueError(
-        f"jaxamp: new_scale must be finite, got {value!r} (torch accepts it and "
-        "then skips every later step). The scaler is unchanged."
+      f"jaxamp: new_scale must be finite, got {value!r} (torch accepts it and "
+      "then skips every later step). The scaler is unchanged."
     )
   return scale_array(value)
 
@@ -193,20 +193,18 @@ def _checked_new_scale(new_scale: Any) -> jax.Array:
 class GradScaler:
   """torch's ``GradScaler`` for JAX: the same methods, messages and arithmetic.
 
-  =============================================  ================================================
-  torch                                          jaxamp
-  =============================================  ================================================
-  ``scaler = torch.amp.GradScaler("cuda", ...)``  ``scaler = jaxamp.GradScaler(...)`` (no device)
-  ``optimizer = torch.optim.SGD(params, lr)``    ``opt = jaxamp.Optimizer(optax.sgd(lr), params)``
-  ``optimizer.zero_grad()``                      ``opt.zero_grad()``
-  ``scaler.scale(loss).backward()``              ``opt.grads = jax.grad(lambda p:
-                                                 scaler.scale(loss_fn(p)))(opt.params)``
-  ``scaler.unscale_(optimizer)``                 ``scaler.unscale_(opt)`` (unscales ``opt.grads``)
-  ``clip_grad_norm_(params, 1.0)``               change ``opt.grads`` (e.g. clip it)
-  ``scaler.step(optimizer)``                     ``scaler.step(opt)``
-  ``scaler.update()``                            ``scaler.update()``
-  ``scaler.state_dict()`` / ``load_state_dict``  the same, torch's format both ways
-  =============================================  ================================================
+  torch -> jaxamp (the full table and the three reference loops are in
+  ``docs/grad_scaler.md``)::
+
+    torch.amp.GradScaler("cuda", ...)     -> jaxamp.GradScaler(...)  (no device)
+    torch.optim.SGD(params, lr)           -> opt = jaxamp.Optimizer(optax.sgd(lr), params)
+    scaler.scale(loss).backward()         -> opt.grads = jax.grad(
+                                                 lambda p: scaler.scale(loss_fn(p)))(opt.params)
+    scaler.unscale_(optimizer)            -> scaler.unscale_(opt)   (unscales opt.grads)
+    clip_grad_norm_(params, 1.0)          -> change opt.grads (e.g. clip it)
+    scaler.step(optimizer)                -> scaler.step(opt)
+    scaler.update()                       -> scaler.update()
+    scaler.state_dict() / load_state_dict -> the same; torch's format, both ways
 
   The methods change ``self`` (and the optimizer) in place, as in torch. To run
   an iteration under ``jax.jit``, pass the scaler and the optimizers in and
@@ -264,12 +262,12 @@ class GradScaler:
   """
 
   def __init__(
-      self,
-      init_scale: float = 2.0**16,
-      growth_factor: float = 2.0,
-      backoff_factor: float = 0.5,
-      growth_interval: int = 2000,
-      enabled: bool = True,
+    self,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    enabled: bool = True,
   ):
     """Creates a scaler; see the class docstring."""
     self._enabled = bool(enabled)
@@ -285,10 +283,10 @@ class GradScaler:
     backoff_factor = _python_number("backoff_factor", backoff_factor)
     growth_interval = _python_number("growth_interval", growth_interval, integer=True)
     check_hyperparameters(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
+      init_scale=init_scale,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      growth_interval=growth_interval,
     )
     self._init_scale, self._init_growth_tracker = init_scale, 0
     self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
@@ -301,11 +299,12 @@ class GradScaler:
   def tree_flatten(self):
     keys = tuple(self._states)
     children = (
-        self._scale,
-        self._growth_tracker,
-        tuple(self._states[k].found_inf for k in keys),
+      self._scale,
+      self._growth_tracker,
+      tuple(self._states[k].found_inf for k in keys),
     )
-    static = _Static((
+    static = _Static(
+      (
         self._enabled,
         self._init_scale,
         self._init_growth_tracker,
@@ -313,25 +312,26 @@ class GradScaler:
         self._backoff_factor,
         self._growth_interval,
         tuple((k, self._states[k].stage, self._states[k].found_inf is None) for k in keys),
-    ))
+      )
+    )
     return children, static
 
   @classmethod
   def tree_unflatten(cls, static, children):
     scaler = object.__new__(cls)
     (
-        scaler._enabled,
-        scaler._init_scale,
-        scaler._init_growth_tracker,
-        scaler._growth_factor,
-        scaler._backoff_factor,
-        scaler._growth_interval,
-        stages,
+      scaler._enabled,
+      scaler._init_scale,
+      scaler._init_growth_tracker,
+      scaler._growth_factor,
+      scaler._backoff_factor,
+      scaler._growth_interval,
+      stages,
     ) = static.values
     scaler._scale, scaler._growth_tracker, found_infs = children
     scaler._states = {
-        key: _Record(stage, None if no_check else found_inf)
-        for (key, stage, no_check), found_inf in zip(stages, found_infs)
+      key: _Record(stage, None if no_check else found_inf)
+      for (key, stage, no_check), found_inf in zip(stages, found_infs)
     }
     scaler._scaled = True
     return scaler
@@ -373,8 +373,8 @@ class GradScaler:
           return type(value)(*scaled)
         return type(value)(scaled)
       raise ValueError(
-          f"{_OUTPUTS} (jaxamp: got {type(value).__name__}; pass a JAX array, "
-          "or a list/tuple of them)"
+        f"{_OUTPUTS} (jaxamp: got {type(value).__name__}; pass a JAX array, "
+        "or a list/tuple of them)"
       )
 
     result = apply(outputs)
@@ -400,7 +400,7 @@ class GradScaler:
         was already called on this optimizer since the last ``update()``.
     """
     if not self._enabled:
-      return None
+      return
     key = _key_of(optimizer)
     self._check_scaled("unscale_")
     stage = self._states.get(key, _Record(_Stage.READY, None)).stage
@@ -411,7 +411,7 @@ class GradScaler:
     grads, found_inf = self._unscaled(optimizer)
     optimizer.grads = grads
     self._states = {**self._states, key: _Record(_Stage.UNSCALED, found_inf)}
-    return None
+    return
 
   def step(self, optimizer: Optimizer, **extra_args: Any) -> None:
     """Applies ``optimizer``'s update unless its own gradients held inf/NaN.
@@ -470,26 +470,26 @@ class GradScaler:
       TypeError, ValueError: a ``new_scale`` of the wrong kind or not finite.
     """
     if not self._enabled:
-      return None
+      return
     self._check_scaled("update")
     if new_scale is not None:
       self._scale = _checked_new_scale(new_scale)
       self._states = {}
-      return None
+      return
     found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]
     if not found_infs:
       raise RuntimeError(_NO_CHECKS_UPDATE)
     found_inf = functools.reduce(jnp.logical_or, found_infs)
     self._scale, self._growth_tracker = update_loss_scale(
-        self._scale,
-        self._growth_tracker,
-        found_inf,
-        growth_factor=self._growth_factor,
-        backoff_factor=self._backoff_factor,
-        growth_interval=self._growth_interval,
+      self._scale,
+      self._growth_tracker,
+      found_inf,
+      growth_factor=self._growth_factor,
+      backoff_factor=self._backoff_factor,
+      growth_interval=self._growth_interval,
     )
     self._states = {}
-    return None
+    return
 
   # -- getters and setters --------------------------------------------------------
 
@@ -557,11 +557,11 @@ class GradScaler:
     if not self._enabled:
       return {}
     values = (
-        self.get_scale(),
-        self._growth_factor,
-        self._backoff_factor,
-        self._growth_interval,
-        self._get_growth_tracker(),
+      self.get_scale(),
+      self._growth_factor,
+      self._backoff_factor,
+      self._growth_interval,
+      self._get_growth_tracker(),
     )
     return dict(zip(STATE_DICT_KEYS, values))
 
@@ -578,7 +578,7 @@ class GradScaler:
       TypeError: a value of the wrong type.
     """
     if not self._enabled:
-      return None
+      return
     checked = check_state_dict(state_dict)
     scale = scale_array(checked["scale"])
     tracker = tracker_array(checked["_growth_tracker"])
@@ -588,14 +588,14 @@ class GradScaler:
     self._backoff_factor = checked["backoff_factor"]
     self._growth_interval = checked["growth_interval"]
     self._scale, self._growth_tracker = scale, tracker
-    return None
+    return
 
   def __repr__(self) -> str:
     if not self._enabled:
       return "jaxamp.GradScaler(enabled=False)"
     return (
-        f"jaxamp.GradScaler(growth_factor={self._growth_factor!r}, "
-        f"backoff_factor={self._backoff_factor!r}, "
-        f"growth_interval={self._growth_interval!r}, "
-        f"stages={ {k: r.stage.name for k, r in self._states.items()} })"
+      f"jaxamp.GradScaler(growth_factor={self._growth_factor!r}, "
+      f"backoff_factor={self._backoff_factor!r}, "
+      f"growth_interval={self._growth_interval!r}, "
+      f"stages={ {k: r.stage.name for k, r in self._states.items()} })"
     )

@@ -27,16 +27,14 @@ _KEYS = itertools.count()
 class Optimizer:
   """An optax transformation with its params, state and grads, as a torch optimizer.
 
-  ==========================================  =================================================
-  torch                                       jaxamp
-  ==========================================  =================================================
-  ``opt = torch.optim.SGD(model.parameters(),  ``opt = jaxamp.Optimizer(optax.sgd(0.1), params)``
-  lr=0.1)``
-  ``opt.zero_grad()``                         ``opt.zero_grad()`` (sets ``grads`` to ``None``)
-  ``loss.backward()``                         ``opt.grads = jax.grad(loss_fn)(opt.params)``
-  ``p.grad``                                  ``opt.grads`` (a tree like ``opt.params``)
-  ``opt.step()``                              ``opt.step()``
-  ==========================================  =================================================
+  torch -> jaxamp::
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                              -> opt = jaxamp.Optimizer(optax.sgd(0.1), params)
+    optimizer.zero_grad()     -> opt.zero_grad()          (grads = None)
+    loss.backward()           -> opt.grads = jax.grad(loss_fn)(opt.params)
+    param.grad                -> opt.grads                (a tree like opt.params)
+    optimizer.step()          -> opt.step()
 
   ``grads`` starts as zeros shaped like ``params``, so that the handle has the
   same pytree structure before and after an iteration, and a jitted training
@@ -59,19 +57,18 @@ class Optimizer:
   """
 
   def __init__(
-      self,
-      tx: optax.GradientTransformation,
-      params: Any,
-      *,
-      opt_state: Any = None,
-      grads: Any = None,
+    self,
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    opt_state: Any = None,
+    grads: Any = None,
   ):
     """Creates the handle; ``opt_state`` defaults to ``tx.init(params)`` and
     ``grads`` to zeros like ``params``."""
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
-          "jaxamp.Optimizer takes an optax.GradientTransformation first, got "
-          f"{type(tx).__name__}."
+        f"jaxamp.Optimizer takes an optax.GradientTransformation first, got {type(tx).__name__}."
       )
     self.tx = tx
     self.params = params
@@ -99,9 +96,9 @@ class Optimizer:
     is ``None`` (torch skips parameters without a gradient).
     """
     if self.grads is None:
-      return None
+      return
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
-    return None
+    return
 
   def tree_flatten(self):
     return (self.params, self.opt_state, self.grads), (self.tx, self._key)

@@ -1,8 +1,8 @@
 """torch-format state dicts (GradScaler and optax form), torch interop and orbax."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -141,33 +141,60 @@ def test_grad_scaler_load_state_dict_into_used_scaler():
   scaler = jaxamp.GradScaler(init_scale=100.0)
   scaler.scale(jnp.float32(1.0))
   scaler.load_state_dict(
-      {"scale": 0.1, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 7, "_growth_tracker": 5}
+    {
+      "scale": 0.1,
+      "growth_factor": 3.0,
+      "backoff_factor": 0.25,
+      "growth_interval": 7,
+      "_growth_tracker": 5,
+    }
   )
   assert scaler.get_scale() == 0.10000000149011612
   assert scaler.state_dict() == {
-      "scale": 0.10000000149011612, "growth_factor": 3.0, "backoff_factor": 0.25,
-      "growth_interval": 7, "_growth_tracker": 5,
+    "scale": 0.10000000149011612,
+    "growth_factor": 3.0,
+    "backoff_factor": 0.25,
+    "growth_interval": 7,
+    "_growth_tracker": 5,
   }
 
 
-GOOD = {"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 3}
+GOOD = {
+  "scale": 2.0,
+  "growth_factor": 2.0,
+  "backoff_factor": 0.5,
+  "growth_interval": 10,
+  "_growth_tracker": 3,
+}
 
 
 @pytest.mark.parametrize(
-    "bad, error, match",
-    [
-        ({}, RuntimeError, "The source state dict is empty, possibly because it was saved from a disabled"),
-        ({"scale": 2.0}, KeyError, "growth_factor"),
-        ({**GOOD, "extra": 1}, ValueError, "unexpected state dict keys"),
-        ({**GOOD, "scale": "2.0"}, TypeError, "'scale' must be a real Python number"),
-        ({**GOOD, "scale": True}, TypeError, "'scale' must be a real Python number"),
-        ({**GOOD, "growth_interval": 2.5}, TypeError, "'growth_interval' must be an int"),
-        ({**GOOD, "_growth_tracker": 1.0}, TypeError, "'_growth_tracker' must be an int"),
-        ({**GOOD, "scale": 1e39}, RuntimeError, "value cannot be converted to type float without overflow"),
-        ({**GOOD, "_growth_tracker": 2**31}, RuntimeError, "value cannot be converted to type int without overflow"),
-        ({**GOOD, "_growth_tracker": -(2**31) - 1}, RuntimeError, "type int without overflow"),
-        ([("scale", 2.0)], TypeError, "must be a mapping"),
-    ],
+  "bad, error, match",
+  [
+    (
+      {},
+      RuntimeError,
+      "The source state dict is empty, possibly because it was saved from a disabled",
+    ),
+    ({"scale": 2.0}, KeyError, "growth_factor"),
+    ({**GOOD, "extra": 1}, ValueError, "unexpected state dict keys"),
+    ({**GOOD, "scale": "2.0"}, TypeError, "'scale' must be a real Python number"),
+    ({**GOOD, "scale": True}, TypeError, "'scale' must be a real Python number"),
+    ({**GOOD, "growth_interval": 2.5}, TypeError, "'growth_interval' must be an int"),
+    ({**GOOD, "_growth_tracker": 1.0}, TypeError, "'_growth_tracker' must be an int"),
+    (
+      {**GOOD, "scale": 1e39},
+      RuntimeError,
+      "value cannot be converted to type float without overflow",
+    ),
+    (
+      {**GOOD, "_growth_tracker": 2**31},
+      RuntimeError,
+      "value cannot be converted to type int without overflow",
+    ),
+    ({**GOOD, "_growth_tracker": -(2**31) - 1}, RuntimeError, "type int without overflow"),
+    ([("scale", 2.0)], TypeError, "must be a mapping"),
+  ],
 )
 def test_load_state_dict_bad_input_raises_and_loads_nothing(bad, error, match):
   scaler = jaxamp.GradScaler(init_scale=8.0)
@@ -184,13 +211,22 @@ def test_load_state_dict_bad_input_raises_and_loads_nothing(bad, error, match):
 
 def test_load_state_dict_accepts_numpy_numbers_and_extremes():
   values = {
-      "scale": np.float64(0.1), "growth_factor": np.float32(2.0), "backoff_factor": 0.5,
-      "growth_interval": np.int64(10), "_growth_tracker": 2**31 - 1,
+    "scale": np.float64(0.1),
+    "growth_factor": np.float32(2.0),
+    "backoff_factor": 0.5,
+    "growth_interval": np.int64(10),
+    "_growth_tracker": 2**31 - 1,
   }
   scaler = jaxamp.GradScaler()
   scaler.load_state_dict(values)
   saved = scaler.state_dict()
-  assert saved == {"scale": 0.1, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 2**31 - 1}
+  assert saved == {
+    "scale": 0.1,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 10,
+    "_growth_tracker": 2**31 - 1,
+  }
   assert [type(v) for v in saved.values()] == [float, float, float, int, int]
   scaler.scale(jnp.float32(1.0))
   assert scaler.get_scale() == 0.10000000149011612
@@ -240,7 +276,7 @@ def test_load_state_dict_keeps_nnx_variables():
 
 def _nnx_model_and_optimizer():
   model = nnx.Sequential(
-      nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+    nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
   )
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2)
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -263,8 +299,11 @@ def _all_bits(*nodes):
 def test_orbax_checkpoint_of_nnx_optimizer_resumes_bit_identically(tmp_path):
   rng = np.random.default_rng(0)
   batches = [
-      (jnp.asarray(rng.normal(size=(5, 4)), jnp.float32), jnp.asarray(rng.normal(size=(5, 2)), jnp.float32))
-      for _ in range(8)
+    (
+      jnp.asarray(rng.normal(size=(5, 4)), jnp.float32),
+      jnp.asarray(rng.normal(size=(5, 2)), jnp.float32),
+    )
+    for _ in range(8)
   ]
   injections = [jnp.float32(v) for v in (1, jnp.inf, 1, 1, 1, jnp.nan, 1, 1)]
 
@@ -272,7 +311,9 @@ def test_orbax_checkpoint_of_nnx_optimizer_resumes_bit_identically(tmp_path):
   for (x, y), inject in zip(batches[:4], injections[:4]):
     _nnx_step(model, optimizer, x, y, inject)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+  checkpointer.save(
+    tmp_path / "ckpt", {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+  )
   checkpointer.wait_until_finished()
   for (x, y), inject in zip(batches[4:], injections[4:]):
     _nnx_step(model, optimizer, x, y, inject)
@@ -282,7 +323,7 @@ def test_orbax_checkpoint_of_nnx_optimizer_resumes_bit_identically(tmp_path):
   model_def, model_state = nnx.split(abstract_model)
   optimizer_def, optimizer_state = nnx.split(abstract_optimizer)
   restored = checkpointer.restore(
-      tmp_path / "ckpt", {"model": model_state, "optimizer": optimizer_state}
+    tmp_path / "ckpt", {"model": model_state, "optimizer": optimizer_state}
   )
   checkpointer.close()
   model2 = nnx.merge(model_def, restored["model"])

@@ -1,8 +1,8 @@
 """``jaxamp.GradScaler``: torch's loops ported line by line, its state machine and errors."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 import torch
@@ -10,8 +10,8 @@ import torch
 import jaxamp
 
 E6 = (
-    "Attempted {} but _scale is None.  This may indicate your script did not use "
-    "scaler.scale(loss or outputs) earlier in the iteration."
+  "Attempted {} but _scale is None.  This may indicate your script did not use "
+  "scaler.scale(loss or outputs) earlier in the iteration."
 )
 E8 = "unscale_() has already been called on this optimizer since the last update()."
 E9 = "unscale_() is being called after step()."
@@ -52,15 +52,13 @@ def _backward(scaler, opt, loss_fn=_sum_of_squares):
 
 def _torch_model():
   torch.manual_seed(0)
-  return torch.nn.Sequential(
-      torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10)
-  )
+  return torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 10))
 
 
 def _layer_params(layer):
   return {
-      "w": jnp.asarray(layer.weight.detach().numpy().copy()),
-      "b": jnp.asarray(layer.bias.detach().numpy().copy()),
+    "w": jnp.asarray(layer.weight.detach().numpy().copy()),
+    "b": jnp.asarray(layer.bias.detach().numpy().copy()),
   }
 
 
@@ -76,8 +74,8 @@ def _mse(l1, l2, x, y):
 def _batches(steps):
   rng = np.random.default_rng(7)
   return [
-      (rng.normal(size=(8, 10)).astype(np.float32), rng.normal(size=(8, 10)).astype(np.float32))
-      for _ in range(steps)
+    (rng.normal(size=(8, 10)).astype(np.float32), rng.normal(size=(8, 10)).astype(np.float32))
+    for _ in range(steps)
   ]
 
 
@@ -117,7 +115,9 @@ def test_grad_scaler_basic_loop_matches_torch():
   for i, (x, y) in enumerate(_batches(9)):
     # torch
     t_opt.zero_grad()
-    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    t_scaler.scale(
+      torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
+    ).backward()
     _torch_inject(model[0], i in INF_STEPS)
     t_before = [p.detach().clone() for p in model.parameters()]
     t_scaler.step(t_opt)
@@ -134,7 +134,9 @@ def test_grad_scaler_basic_loop_matches_torch():
     assert _unchanged(before, opt.params) == t_skipped, i
     assert scaler.get_scale() == t_scaler.get_scale(), i
     assert scaler.state_dict() == t_scaler.state_dict(), i
-    for p, t in zip(jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]):
+    for p, t in zip(
+      jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]
+    ):
       np.testing.assert_allclose(np.asarray(p), t.detach().numpy(), rtol=1e-5, atol=1e-6)
   assert t_scaler.get_scale() == 1024.0  # growths at 1, 4, 8 and backoffs at 2, 5, 6
 
@@ -149,7 +151,9 @@ def test_grad_scaler_unscale_then_clip_loop_matches_torch():
   opt = jaxamp.Optimizer(optax.sgd(0.1), params)
   for i, (x, y) in enumerate(_batches(9)):
     t_opt.zero_grad()
-    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    t_scaler.scale(
+      torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
+    ).backward()
     _torch_inject(model[0], i in INF_STEPS)
     t_scaler.unscale_(t_opt)
     t_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
@@ -171,7 +175,9 @@ def test_grad_scaler_unscale_then_clip_loop_matches_torch():
     assert _unchanged(before, opt.params) == t_skipped, i
     assert scaler.state_dict() == t_scaler.state_dict(), i
     np.testing.assert_allclose(float(norm), t_norm.item(), rtol=1e-5)
-    for p, t in zip(jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]):
+    for p, t in zip(
+      jax.tree.leaves(opt.params), [model[0].bias, model[0].weight, model[2].bias, model[2].weight]
+    ):
       np.testing.assert_allclose(np.asarray(p), t.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -189,7 +195,9 @@ def test_grad_scaler_two_optimizers_loop_matches_torch():
   for i, ((x, y), (inf1, inf2)) in enumerate(zip(_batches(len(flags)), flags)):
     t_opt1.zero_grad()
     t_opt2.zero_grad()
-    t_scaler.scale(torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))).backward()
+    t_scaler.scale(
+      torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
+    ).backward()
     _torch_inject(model[0], inf1)
     _torch_inject(model[2], inf2)
     t_scaler.unscale_(t_opt1)
@@ -199,15 +207,15 @@ def test_grad_scaler_two_optimizers_loop_matches_torch():
     t_scaler.step(t_opt2)
     t_scaler.update()
     t_skipped = [
-        all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
-        for before, layer in zip(t_before, (model[0], model[2]))
+      all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+      for before, layer in zip(t_before, (model[0], model[2]))
     ]
 
     opt1.zero_grad()
     opt2.zero_grad()
-    g1, g2 = jax.grad(
-        lambda p1, p2: scaler.scale(_mse(p1, p2, x, y)), argnums=(0, 1)
-    )(opt1.params, opt2.params)
+    g1, g2 = jax.grad(lambda p1, p2: scaler.scale(_mse(p1, p2, x, y)), argnums=(0, 1))(
+      opt1.params, opt2.params
+    )
     opt1.grads, opt2.grads = _inject(g1, inf1), _inject(g2, inf2)
     scaler.unscale_(opt1)
     scaler.unscale_(opt2)
@@ -220,8 +228,12 @@ def test_grad_scaler_two_optimizers_loop_matches_torch():
     assert [_unchanged(before[0], opt1.params), _unchanged(before[1], opt2.params)] == t_skipped
     assert scaler.state_dict() == t_scaler.state_dict(), i
     for opt, layer in ((opt1, model[0]), (opt2, model[2])):
-      np.testing.assert_allclose(np.asarray(opt.params["w"]), layer.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
-      np.testing.assert_allclose(np.asarray(opt.params["b"]), layer.bias.detach().numpy(), rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(
+        np.asarray(opt.params["w"]), layer.weight.detach().numpy(), rtol=1e-5, atol=1e-6
+      )
+      np.testing.assert_allclose(
+        np.asarray(opt.params["b"]), layer.bias.detach().numpy(), rtol=1e-5, atol=1e-6
+      )
   # 1024 -> 512 (1) -> 256 (3) -> 128 (5: one backoff, though both saw inf) -> 256 (7).
   assert t_scaler.get_scale() == 256.0
 
@@ -233,20 +245,24 @@ def test_grad_scaler_multiple_optimizers_spec_table():
   o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
   rows = []
   for inf1, inf2 in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (0, 0)]:
-    g1, g2 = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(o1.params, o2.params)
+    g1, g2 = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(
+      o1.params, o2.params
+    )
     o1.grads = g1.at[0].set(jnp.inf) if inf1 else g1
     o2.grads = g2.at[0].set(jnp.nan) if inf2 else g2
     scaler.step(o1)
     scaler.step(o2)
     scaler.update()
-    rows.append((float(o1.params[0]), float(o2.params[0]), scaler.get_scale(), scaler._get_growth_tracker()))
+    rows.append(
+      (float(o1.params[0]), float(o2.params[0]), scaler.get_scale(), scaler._get_growth_tracker())
+    )
   assert rows == [
-      (0.0, 0.0, 8.0, 1),
-      (0.0, -1.0, 4.0, 0),
-      (-1.0, -1.0, 2.0, 0),
-      (-1.0, -1.0, 1.0, 0),
-      (-2.0, -2.0, 1.0, 1),
-      (-3.0, -3.0, 2.0, 0),
+    (0.0, 0.0, 8.0, 1),
+    (0.0, -1.0, 4.0, 0),
+    (-1.0, -1.0, 2.0, 0),
+    (-1.0, -1.0, 1.0, 0),
+    (-2.0, -2.0, 1.0, 1),
+    (-3.0, -3.0, 2.0, 0),
   ]
 
 
@@ -255,7 +271,9 @@ def test_grad_scaler_untouched_optimizer_keeps_scaled_grads():
   scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=1)
   o1 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
   o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
-  o1.grads, o2.grads = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(o1.params, o2.params)
+  o1.grads, o2.grads = jax.grad(lambda a, b: scaler.scale(a.sum() + b.sum()), argnums=(0, 1))(
+    o1.params, o2.params
+  )
   scaler.step(o1)
   scaler.update()
   assert scaler.get_scale() == 16.0
@@ -307,13 +325,13 @@ def test_grad_scaler_matches_dynamic_loss_scale_bit_for_bit(inner):
 
 
 @pytest.mark.parametrize(
-    "call, funcname",
-    [
-        (lambda s, o: s.unscale_(o), "unscale_"),
-        (lambda s, o: s.step(o), "step"),
-        (lambda s, o: s.update(), "update"),
-        (lambda s, o: s.update(2.0), "update"),
-    ],
+  "call, funcname",
+  [
+    (lambda s, o: s.unscale_(o), "unscale_"),
+    (lambda s, o: s.step(o), "step"),
+    (lambda s, o: s.update(), "update"),
+    (lambda s, o: s.update(2.0), "update"),
+  ],
 )
 def test_grad_scaler_calls_before_scale_raise(call, funcname):
   scaler, opt = _fresh()
@@ -515,13 +533,17 @@ def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
   eager_opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
   for inject in injections:
     eager_opt.zero_grad()
-    eager_opt.grads = jax.grad(lambda p: eager_scaler.scale(jnp.sum((p["w"] * x) ** 2)))(eager_opt.params)
+    eager_opt.grads = jax.grad(lambda p: eager_scaler.scale(jnp.sum((p["w"] * x) ** 2)))(
+      eager_opt.params
+    )
     eager_opt.grads = {"w": eager_opt.grads["w"].at[0].multiply(inject)}
     eager_scaler.unscale_(eager_opt)
     eager_scaler.step(eager_opt)
     eager_scaler.update()
   assert _bits(eager_scaler) == _bits(scaler)
-  np.testing.assert_allclose(np.asarray(eager_opt.params["w"]), np.asarray(opt.params["w"]), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(eager_opt.params["w"]), np.asarray(opt.params["w"]), rtol=1e-6
+  )
 
 
 # ---------------------------------------------------------------------------------
@@ -531,17 +553,22 @@ def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
 
 @pytest.mark.torch
 @pytest.mark.parametrize(
-    "dtype, shape",
-    [
-        ("float32", ()), ("float32", (2,)), ("float16", ()), ("float16", (2,)),
-        ("bfloat16", ()), ("bfloat16", (2,)), ("int32", (2,)),
-    ],
+  "dtype, shape",
+  [
+    ("float32", ()),
+    ("float32", (2,)),
+    ("float16", ()),
+    ("float16", (2,)),
+    ("bfloat16", ()),
+    ("bfloat16", (2,)),
+    ("int32", (2,)),
+  ],
 )
 def test_grad_scaler_scale_dtypes_match_torch(dtype, shape):
   value = np.full(shape, 1.5, np.float32)
   for init_scale in (3.0, 65536.0, 0.1):
     t_out = torch.amp.GradScaler("cpu", init_scale=init_scale).scale(
-        torch.from_numpy(value).to(getattr(torch, dtype))
+      torch.from_numpy(value).to(getattr(torch, dtype))
     )
     out = jaxamp.GradScaler(init_scale=init_scale).scale(jnp.asarray(value).astype(dtype))
     assert str(out.dtype) == str(t_out.dtype).removeprefix("torch.")
@@ -585,16 +612,16 @@ def test_grad_scaler_get_scale_is_raw_before_first_scale():
 
 
 @pytest.mark.parametrize(
-    "new_scale, expected",
-    [
-        (2.5, 2.5),
-        (1 / 3, 0.3333333432674408),
-        (np.float64(2.5), 2.5),
-        (np.float32(2.5), 2.5),
-        (jnp.float32(2.5), 2.5),
-        (np.asarray(1 / 3), 0.3333333432674408),
-        (-1.0, -1.0),
-    ],
+  "new_scale, expected",
+  [
+    (2.5, 2.5),
+    (1 / 3, 0.3333333432674408),
+    (np.float64(2.5), 2.5),
+    (np.float32(2.5), 2.5),
+    (jnp.float32(2.5), 2.5),
+    (np.asarray(1 / 3), 0.3333333432674408),
+    (-1.0, -1.0),
+  ],
 )
 def test_grad_scaler_update_new_scale_sets_scale_keeps_tracker(new_scale, expected):
   scaler, opt = _fresh(growth_interval=3)
@@ -610,19 +637,19 @@ def test_grad_scaler_update_new_scale_sets_scale_keeps_tracker(new_scale, expect
 
 
 @pytest.mark.parametrize(
-    "bad, error, match",
-    [
-        (2, TypeError, "must be a float"),
-        (True, TypeError, "must be a float"),
-        (float("inf"), ValueError, "must be finite"),
-        (float("nan"), ValueError, "must be finite"),
-        (1e39, RuntimeError, "value cannot be converted to type float without overflow"),
-        (jnp.array([2.5]), ValueError, "new_scale should be a float or a 1-element"),
-        (jnp.array(2, jnp.int32), ValueError, "new_scale should be a float or a 1-element"),
-        (np.asarray(1e39), RuntimeError, "without overflow"),
-        (np.asarray(np.inf, np.float32), ValueError, "must be finite"),
-        ("2.0", TypeError, "must be a float"),
-    ],
+  "bad, error, match",
+  [
+    (2, TypeError, "must be a float"),
+    (True, TypeError, "must be a float"),
+    (float("inf"), ValueError, "must be finite"),
+    (float("nan"), ValueError, "must be finite"),
+    (1e39, RuntimeError, "value cannot be converted to type float without overflow"),
+    (jnp.array([2.5]), ValueError, "new_scale should be a float or a 1-element"),
+    (jnp.array(2, jnp.int32), ValueError, "new_scale should be a float or a 1-element"),
+    (np.asarray(1e39), RuntimeError, "without overflow"),
+    (np.asarray(np.inf, np.float32), ValueError, "must be finite"),
+    ("2.0", TypeError, "must be a float"),
+  ],
 )
 def test_grad_scaler_update_bad_new_scale_raises_and_changes_nothing(bad, error, match):
   scaler, opt = _fresh()
