@@ -19,7 +19,7 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
   x = (digits.data / 16.0).astype(np.float32)
   y = digits.target.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(x))
-  n_test = int(round(len(x) * test_fraction))
+  n_test = round(len(x) * test_fraction)
   test, train = order[:n_test], order[n_test:]
   return x[train], y[train], x[test], y[test]
 

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import batch_indices, load_digits_split, plot_curves
 from flax.training import train_state
 from tqdm import tqdm
 
 import jaxamp
-from _digits import batch_indices, load_digits_split, plot_curves
 from jaxamp import flax_utils
 
 
@@ -83,9 +83,9 @@ def main(argv=None) -> dict:
     history.append((loss, metrics["loss_scale"], metrics["skipped"]))
     if step % args.log_every == 0 or step == args.steps:
       progress.set_postfix(
-          loss=f"{float(loss):.4f}",
-          scale=f"{float(metrics['loss_scale']):g}",
-          skipped=int(metrics["skipped_steps"]),
+        loss=f"{float(loss):.4f}",
+        scale=f"{float(metrics['loss_scale']):g}",
+        skipped=int(metrics["skipped_steps"]),
       )
   progress.close()
 
@@ -93,8 +93,8 @@ def main(argv=None) -> dict:
   test_accuracy = float(accuracy(state, x_test, y_test))
   skipped_steps = int(flax_utils.loss_scale_metrics(state)["skipped_steps"])
   print(
-      f"test accuracy {test_accuracy:.4f}; {skipped_steps} of {int(state.step)} "
-      f"updates skipped (state.step counts both); final scale {scales[-1]:g}"
+    f"test accuracy {test_accuracy:.4f}; {skipped_steps} of {int(state.step)} "
+    f"updates skipped (state.step counts both); final scale {scales[-1]:g}"
   )
   plot_curves(args.out, losses, scales, skipped, "linen MLP on digits, float16 + jaxamp")
   print(f"wrote {args.out}")

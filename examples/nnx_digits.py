@@ -12,16 +12,17 @@ metrics as arrays so that logging syncs with the host only every
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import batch_indices, load_digits_split, plot_curves
 from flax import nnx
 from tqdm import tqdm
 
 import jaxamp
-from _digits import batch_indices, load_digits_split, plot_curves
 from jaxamp import flax_utils
 
 
@@ -31,10 +32,10 @@ class MLP(nnx.Module):
   def __init__(self, depth: int, width: int, dtype, rngs: nnx.Rngs):
     sizes = [64] + [width] * depth
     self.hidden = nnx.List(
-        [
-            nnx.Linear(n_in, n_out, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            for n_in, n_out in zip(sizes[:-1], sizes[1:])
-        ]
+      [
+        nnx.Linear(n_in, n_out, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        for n_in, n_out in itertools.pairwise(sizes)
+      ]
     )
     self.head = nnx.Linear(width, 10, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     self.dtype = dtype
@@ -90,9 +91,9 @@ def main(argv=None) -> dict:
     history.append((loss, metrics["loss_scale"], metrics["skipped"]))
     if step % args.log_every == 0 or step == args.steps:
       progress.set_postfix(
-          loss=f"{float(loss):.4f}",
-          scale=f"{float(metrics['loss_scale']):g}",
-          skipped=int(metrics["skipped_steps"]),
+        loss=f"{float(loss):.4f}",
+        scale=f"{float(metrics['loss_scale']):g}",
+        skipped=int(metrics["skipped_steps"]),
       )
   progress.close()
 
@@ -100,8 +101,8 @@ def main(argv=None) -> dict:
   test_accuracy = float(accuracy(model, x_test, y_test))
   skipped_steps = int(flax_utils.loss_scale_metrics(optimizer)["skipped_steps"])
   print(
-      f"test accuracy {test_accuracy:.4f}; {skipped_steps} of {int(optimizer.step[...])} "
-      f"updates skipped (optimizer.step counts both); final scale {scales[-1]:g}"
+    f"test accuracy {test_accuracy:.4f}; {skipped_steps} of {int(optimizer.step[...])} "
+    f"updates skipped (optimizer.step counts both); final scale {scales[-1]:g}"
   )
   plot_curves(args.out, losses, scales, skipped, "NNX MLP on digits, float16 + jaxamp")
   print(f"wrote {args.out}")

@@ -30,18 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import batch_indices, load_digits_split
 from flax.training import train_state
 
 import jaxamp
-from _digits import batch_indices, load_digits_split
 from jaxamp import flax_utils
 
 FAST_GROWTH = 200
 RUNS = {  # name: (computes in float16, growth_interval or None for no loss scaling)
-    "float32": (False, None),
-    "float16": (True, None),
-    "float16 + jaxamp": (True, 2000),
-    f"float16 + jaxamp, growth_interval={FAST_GROWTH}": (True, FAST_GROWTH),
+  "float32": (False, None),
+  "float16": (True, None),
+  "float16 + jaxamp": (True, 2000),
+  f"float16 + jaxamp, growth_interval={FAST_GROWTH}": (True, FAST_GROWTH),
 }
 
 
@@ -132,13 +132,13 @@ def run(name, args, data, model16, model32, params0, measure):
   accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
   losses = np.asarray(jax.device_get(losses), np.float64)
   result = {
-      "accuracy": accuracy,
-      "final_loss": float(np.mean(losses[-args.steps // 10 :])),
-      "underflow": float(np.mean(fractions)) if fractions else float("nan"),
-      "underflow_last": _mean_of_last_half(fractions),
-      "underflow_first_layer": float(np.mean(first_fractions)) if fractions else float("nan"),
-      "skipped": 0,
-      "final_scale": 1.0,
+    "accuracy": accuracy,
+    "final_loss": float(np.mean(losses[-args.steps // 10 :])),
+    "underflow": float(np.mean(fractions)) if fractions else float("nan"),
+    "underflow_last": _mean_of_last_half(fractions),
+    "underflow_first_layer": float(np.mean(first_fractions)) if fractions else float("nan"),
+    "skipped": 0,
+    "final_scale": 1.0,
   }
   if scaled:
     metrics = flax_utils.loss_scale_metrics(state)
@@ -159,20 +159,22 @@ def _percent(x):
 
 def table(results_by_depth) -> str:
   lines = [
+    (
       "| hidden layers | run | test accuracy | train loss (last 10% of steps) "
       "| grad elements underflowed to 0 | same, second half of training "
-      "| same, first layer's kernel | skipped steps | final scale |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "| same, first layer's kernel | skipped steps | final scale |"
+    ),
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   for depth, results in results_by_depth.items():
     for name, r in results.items():
       reference = not RUNS[name][0]
       lines.append(
-          f"| {depth} | {name} | {r['accuracy']:.4f} | {r['final_loss']:.1e} | "
-          f"{'(reference)' if reference else _percent(r['underflow'])} | "
-          f"{'' if reference else _percent(r['underflow_last'])} | "
-          f"{'' if reference else _percent(r['underflow_first_layer'])} | "
-          f"{r['skipped']} | {r['final_scale']:g} |"
+        f"| {depth} | {name} | {r['accuracy']:.4f} | {r['final_loss']:.1e} | "
+        f"{'(reference)' if reference else _percent(r['underflow'])} | "
+        f"{'' if reference else _percent(r['underflow_last'])} | "
+        f"{'' if reference else _percent(r['underflow_first_layer'])} | "
+        f"{r['skipped']} | {r['final_scale']:g} |"
       )
   return "\n".join(lines)
 
@@ -198,7 +200,7 @@ def main(argv=None) -> dict:
     params0 = model32.init(jax.random.key(args.seed), data[0][:1])["params"]
     measure = _make_measure(model16, model32)
     results_by_depth[depth] = {
-        name: run(name, args, data, model16, model32, params0, measure) for name in RUNS
+      name: run(name, args, data, model16, model32, params0, measure) for name in RUNS
     }
   report = table(results_by_depth)
   elapsed = time.perf_counter() - start
@@ -206,7 +208,7 @@ def main(argv=None) -> dict:
   print(f"({elapsed:.0f} s)")
   if args.out:
     command = "python examples/underflow_study.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
+      sys.argv[1:] if argv is None else argv
     )
     with open(args.out, "w") as f:
       f.write(_markdown(args, report, command, elapsed))

@@ -52,30 +52,30 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
   """Raises a clear error for a loss that cannot be scaled correctly."""
   if isinstance(loss, (tuple, list)) and not has_aux:
     raise TypeError(
-        f"jaxamp: the loss function returned a {type(loss).__name__}, not a scalar "
-        "loss. If it returns (loss, aux), pass has_aux=True."
+      f"jaxamp: the loss function returned a {type(loss).__name__}, not a scalar "
+      "loss. If it returns (loss, aux), pass has_aux=True."
     )
   dtype, shape = getattr(loss, "dtype", None), getattr(loss, "shape", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     kind = f"dtype {dtype}" if dtype is not None else f"type {type(loss).__name__}"
     raise TypeError(
-        f"jaxamp: the loss has {kind}; it must be a floating-point jax array "
-        "(float32 recommended) to be differentiated and scaled."
+      f"jaxamp: the loss has {kind}; it must be a floating-point jax array "
+      "(float32 recommended) to be differentiated and scaled."
     )
   if shape != ():
     raise ValueError(
-        f"jaxamp: the loss must be a scalar, got shape {shape}. Reduce it inside "
-        "the loss function, e.g. return jnp.mean(per_example_losses)."
+      f"jaxamp: the loss must be a scalar, got shape {shape}. Reduce it inside "
+      "the loss function, e.g. return jnp.mean(per_example_losses)."
     )
   if jnp.dtype(dtype) == jnp.float16:
     raise TypeError(
-        "jaxamp: the loss is float16. Its gradient starts from the loss scale "
-        f"cast to float16, which overflows (float16 max {_FLOAT16_MAX:g}, default "
-        "scale 65536), so every update would be skipped. Compute the loss in "
-        "float32 from float32 values, e.g. "
-        "optax.softmax_cross_entropy_with_integer_labels("
-        "logits.astype(jnp.float32), labels).mean(). Casting the finished "
-        "float16 loss to float32 does not help: its gradient is cast back."
+      "jaxamp: the loss is float16. Its gradient starts from the loss scale "
+      f"cast to float16, which overflows (float16 max {_FLOAT16_MAX:g}, default "
+      "scale 65536), so every update would be skipped. Compute the loss in "
+      "float32 from float32 values, e.g. "
+      "optax.softmax_cross_entropy_with_integer_labels("
+      "logits.astype(jnp.float32), labels).mean(). Casting the finished "
+      "float16 loss to float32 does not help: its gradient is cast back."
     )
 
 
@@ -89,20 +89,20 @@ def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
     return
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
     raise ValueError(
-        "jaxamp: the loss scale is a constant inside this traced step, so it "
-        "would stay frozen at its current value. The optimizer (or TrainState) "
-        "given to scaled_value_and_grad was captured from outside the jitted "
-        "function: pass it to the step as an argument and call "
-        "scaled_value_and_grad inside the step with that argument."
+      "jaxamp: the loss scale is a constant inside this traced step, so it "
+      "would stay frozen at its current value. The optimizer (or TrainState) "
+      "given to scaled_value_and_grad was captured from outside the jitted "
+      "function: pass it to the step as an argument and call "
+      "scaled_value_and_grad inside the step with that argument."
     )
 
 
 def scaled_value_and_grad(
-    fn: Callable[..., Any],
-    opt_state_or_optimizer: Any,
-    *,
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
+  fn: Callable[..., Any],
+  opt_state_or_optimizer: Any,
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
 ) -> Callable[..., Any]:
   """``value_and_grad`` of ``fn`` with the loss multiplied by the loss scale.
 
@@ -170,8 +170,8 @@ def scaled_value_and_grad(
     if has_aux:
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(
-            "jaxamp: with has_aux=True the loss function must return (loss, aux), "
-            f"got {type(out).__name__}."
+          "jaxamp: with has_aux=True the loss function must return (loss, aux), "
+          f"got {type(out).__name__}."
         )
       loss, aux = out
     else:
@@ -224,8 +224,8 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
   """
   state = find_loss_scale_state(opt_state_or_optimizer)
   return {
-      "loss_scale": _value(state.loss_scale),
-      "skipped": _value(state.found_inf),
-      "skipped_steps": _value(state.skipped_steps),
-      "consecutive_skipped_steps": _value(state.consecutive_skipped_steps),
+    "loss_scale": _value(state.loss_scale),
+    "skipped": _value(state.found_inf),
+    "skipped_steps": _value(state.skipped_steps),
+    "consecutive_skipped_steps": _value(state.consecutive_skipped_steps),
   }

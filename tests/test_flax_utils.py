@@ -36,9 +36,7 @@ class _LinenMlp(nn.Module):
 
 
 def _cross_entropy(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels
-  ).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
 
 def _nnx_loss(model, x, y):
@@ -127,9 +125,7 @@ def test_scaled_value_and_grad_accepts_bfloat16_loss():
 def test_scaled_value_and_grad_accepts_bare_optax_state():
   params = {"w": jnp.array([1.0, 2.0])}
   opt_state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0).init(params)
-  loss, grads = flax_utils.scaled_value_and_grad(
-      lambda p: jnp.sum(p["w"] ** 2), opt_state
-  )(params)
+  loss, grads = flax_utils.scaled_value_and_grad(lambda p: jnp.sum(p["w"] ** 2), opt_state)(params)
   assert loss == 5.0
   np.testing.assert_array_equal(grads["w"], [8.0, 16.0])
 
@@ -212,7 +208,8 @@ def test_scaled_value_and_grad_reads_the_current_scale_under_jit():
 
 def test_loss_scale_metrics_reports_a_skipped_step_nnx():
   model, optimizer = _nnx_setup(
-      jnp.float16, jaxamp.dynamic_loss_scale(optax.sgd(0.1))  # scale 65536
+    jnp.float16,
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1)),  # scale 65536
   )
   kernel_before = np.asarray(model.hidden.kernel[...])
 
@@ -224,10 +221,10 @@ def test_loss_scale_metrics_reports_a_skipped_step_nnx():
 
   metrics = train_step(model, optimizer, 1e4 * X, Y)  # float16 grads overflow
   assert {k: v.item() for k, v in metrics.items()} == {
-      "loss_scale": 32768.0,
-      "skipped": True,
-      "skipped_steps": 1,
-      "consecutive_skipped_steps": 1,
+    "loss_scale": 32768.0,
+    "skipped": True,
+    "skipped_steps": 1,
+    "consecutive_skipped_steps": 1,
   }
   np.testing.assert_array_equal(model.hidden.kernel[...], kernel_before)
   assert int(optimizer.step[...]) == 1  # nnx counts the skipped update too
@@ -242,10 +239,10 @@ def test_loss_scale_metrics_reports_a_skipped_step_nnx():
 def test_loss_scale_metrics_dtypes_and_shapes_linen():
   metrics = flax_utils.loss_scale_metrics(_linen_state())
   assert {k: (v.dtype, v.shape) for k, v in metrics.items()} == {
-      "loss_scale": (jnp.float32, ()),
-      "skipped": (jnp.bool_, ()),
-      "skipped_steps": (jnp.int32, ()),
-      "consecutive_skipped_steps": (jnp.int32, ()),
+    "loss_scale": (jnp.float32, ()),
+    "skipped": (jnp.bool_, ()),
+    "skipped_steps": (jnp.int32, ()),
+    "consecutive_skipped_steps": (jnp.int32, ()),
   }
 
 
