@@ -4,7 +4,12 @@ from jaxamp._checkpoint import load_state_dict, state_dict
 from jaxamp._grad_scaler import GradScaler
 from jaxamp._optimizer import Optimizer
 from jaxamp._scale_update import update_loss_scale
-from jaxamp._state_access import find_loss_scale_state, get_loss_scale, scale_loss
+from jaxamp._state_access import (
+    find_loss_scale_state,
+    get_loss_scale,
+    nonfinite_leaf_paths,
+    scale_loss,
+)
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
 from jaxamp._unscale import all_finite, inverse_scale, unscale_and_check
 
@@ -20,6 +25,7 @@ __all__ = [
     "get_loss_scale",
     "inverse_scale",
     "load_state_dict",
+    "nonfinite_leaf_paths",
     "scale_loss",
     "state_dict",
     "unscale_and_check",

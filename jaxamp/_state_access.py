@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp._transform import DynamicLossScaleState
 
@@ -80,3 +81,30 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Array(131072., dtype=float32)
   """
   return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
+
+
+def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
+  """Names (tree paths) of the gradient leaves that held inf/NaN in the last
+  skipped step. Call it outside the jitted step: it reads the flags to the host.
+
+  Args:
+    opt_state: an optimizer state (or holder) with one jaxamp state.
+    params: the parameter tree the gradients mirror.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> params = {"dense": {"w": jnp.ones(2), "b": jnp.ones(2)}}
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    >>> grads = {"dense": {"w": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> jaxamp.nonfinite_leaf_paths(state, params)
+    ["['dense']['b']"]
+  """
+  flags = np.asarray(_array(find_loss_scale_state(opt_state).nonfinite_leaves))
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  if len(paths) != flags.size:
+    raise ValueError(
+        f"jaxamp: params has {len(paths)} leaves but the jaxamp state tracks "
+        f"{flags.size}; pass the parameter tree the optimizer was initialised with."
+    )
+  return [path for path, flag in zip(paths, flags) if flag]

@@ -11,7 +11,8 @@ from jax import lax
 
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._scale_update import update_loss_scale
-from jaxamp._unscale import unscale_and_check
+from jaxamp._protections import check_protection_options, check_skip_limit, clamp_scale
+from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
 from jaxamp._validation import (
     check_float_gradients,
     check_hyperparameters,
@@ -30,6 +31,12 @@ class DynamicLossScaleState(NamedTuple):
     skipped_steps: total skipped updates, int32 ``[]`` (saturates at 2**31-1).
     consecutive_skipped_steps: skipped updates since the last applied one,
       int32 ``[]`` (saturating).
+    hysteresis_tracker: overflowing steps still tolerated before a backoff,
+      int32 ``[]`` (always ``hysteresis``, 1 by default: torch backs off at once).
+    update_count: updates so far, skipped or not, int32 ``[]`` (saturating).
+    nonfinite_leaves: for each gradient leaf (``jax.tree.leaves`` order),
+      whether it held inf/NaN in the last skipped step, bool ``[n_leaves]``;
+      see :func:`jaxamp.nonfinite_leaf_paths`.
     inner_state: the wrapped transformation's state, untouched by skipped updates.
   """
 
@@ -38,6 +45,9 @@ class DynamicLossScaleState(NamedTuple):
   found_inf: jax.Array
   skipped_steps: jax.Array
   consecutive_skipped_steps: jax.Array
+  hysteresis_tracker: jax.Array
+  update_count: jax.Array
+  nonfinite_leaves: jax.Array
   inner_state: optax.OptState
 
 
@@ -71,6 +81,12 @@ def dynamic_loss_scale(
     growth_interval: int | jax.Array = 2000,
     enabled: bool = True,
     axis_name: str | tuple[str, ...] | None = None,
+    min_loss_scale: float | jax.Array | None = None,
+    max_loss_scale: float | jax.Array | None = None,
+    hysteresis: int | jax.Array = 1,
+    consecutive_hysteresis: bool = False,
+    max_consecutive_skips: int | None = None,
+    detect_unscale_overflow: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -108,6 +124,19 @@ def dynamic_loss_scale(
       arrays, where the check is already global. Without it under
       ``shard_map``, each device decides from its own gradients and replicas
       can diverge.
+    min_loss_scale: (not in torch) the scale never backs off below this.
+    max_loss_scale: (not in torch) the scale never grows above this.
+    hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated
+      before a backoff. Every overflowing step is skipped and resets the growth
+      tracker; it backs off only when ``hysteresis_tracker <= 1``, otherwise it
+      decrements the tracker. The tracker refills to ``hysteresis`` on a growth
+      (or, with ``consecutive_hysteresis``, on every finite step). 1 is torch.
+    consecutive_hysteresis: DeepSpeed's variant, see ``hysteresis``.
+    max_consecutive_skips: (not in torch) when this many steps in a row are
+      skipped, the jitted step fails with a runtime error naming the update and
+      the scale (a host callback that runs only on that step).
+    detect_unscale_overflow: (not in torch) also skip when unscaling itself
+      overflows (torch misses a bfloat16 ``3e38`` at scale 0.5: SPEC 3.2).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -136,6 +165,13 @@ def dynamic_loss_scale(
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
     )
+    check_protection_options(
+        init_scale=init_scale,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        hysteresis=hysteresis,
+        max_consecutive_skips=max_consecutive_skips,
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -146,6 +182,9 @@ def dynamic_loss_scale(
         found_inf=jnp.zeros([], bool),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skipped_steps=jnp.zeros([], jnp.int32),
+        hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
+        update_count=jnp.zeros([], jnp.int32),
+        nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], bool),
         inner_state=inner.init(params),
     )
 
@@ -158,9 +197,13 @@ def dynamic_loss_scale(
       )
       return new_updates, state._replace(inner_state=inner_state)
 
-    unscaled, found_inf = unscale_and_check(updates, state.loss_scale)
+    unscaled, finite = unscale_and_check_leaves(updates, state.loss_scale)
+    if detect_unscale_overflow:
+      finite = finite & leaf_finite_flags(unscaled)
+    nonfinite = ~finite
     if axis_name is not None:
-      found_inf = all_reduce_found_inf(found_inf, state, axis_name)
+      nonfinite = all_reduce_found_inf(nonfinite, state, axis_name)
+    found_inf = jnp.any(nonfinite)
 
     def apply_inner():
       return inner.update(unscaled, state.inner_state, params, **extra_args)
@@ -168,6 +211,7 @@ def dynamic_loss_scale(
     new_updates, inner_state = lax.cond(
         found_inf, lambda: _skipped_step(apply_inner, state.inner_state), apply_inner
     )
+    back_off = found_inf & (state.hysteresis_tracker <= 1)
     loss_scale, growth_tracker = update_loss_scale(
         state.loss_scale,
         state.growth_tracker,
@@ -176,7 +220,15 @@ def dynamic_loss_scale(
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
     )
-    return new_updates, DynamicLossScaleState(
+    loss_scale = jnp.where(found_inf & ~back_off, state.loss_scale, loss_scale)
+    loss_scale = clamp_scale(loss_scale, min_loss_scale, max_loss_scale)
+    refill = ~found_inf if consecutive_hysteresis else ~found_inf & (growth_tracker == 0)
+    hysteresis_tracker = jnp.where(
+        refill,
+        jnp.asarray(hysteresis, jnp.int32),
+        jnp.where(back_off, state.hysteresis_tracker, state.hysteresis_tracker - found_inf),
+    )
+    new_state = DynamicLossScaleState(
         loss_scale=loss_scale,
         growth_tracker=growth_tracker,
         found_inf=found_inf,
@@ -184,7 +236,18 @@ def dynamic_loss_scale(
         consecutive_skipped_steps=jnp.where(
             found_inf, _count_if(found_inf, state.consecutive_skipped_steps), 0
         ),
+        hysteresis_tracker=hysteresis_tracker,
+        update_count=_count_if(True, state.update_count),
+        nonfinite_leaves=jnp.where(found_inf, nonfinite, state.nonfinite_leaves),
         inner_state=inner_state,
     )
+    if max_consecutive_skips is not None:
+      check_skip_limit(
+          new_state.consecutive_skipped_steps,
+          new_state.update_count,
+          new_state.loss_scale,
+          max_consecutive_skips,
+      )
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
