@@ -2,9 +2,12 @@
 
 ``OptaxDriver`` uses ``jaxamp.dynamic_loss_scale`` as a user would: gradients
 of ``jaxamp.scale_loss(loss, opt_state)``, then ``tx.update`` and
-``optax.apply_updates``, both jitted. A scripted injection converts the JAX
-gradients to torch's layout, writes the same value at the same place, and
-converts back (transposes only, exact).
+``optax.apply_updates``, both jitted. ``GradScalerDriver`` ports the torch loop
+line by line: ``scaler.scale``, ``scaler.unscale_``, clipping, ``scaler.step``
+per ``jaxamp.Optimizer``, ``scaler.update``, jitted as one iteration.
+
+A scripted injection converts the JAX gradients to torch's layout, writes the
+same value at the same place, and converts back (transposes only, exact).
 """
 
 from __future__ import annotations
@@ -17,8 +20,37 @@ import numpy as np
 import optax
 
 import jaxamp
-from parity.models import Pair
-from parity.optimizers import jax_inner_state_from_torch, jax_state, make_optax
+from parity.models import NamedLayout, Pair
+from parity.optimizers import (
+    jax_inner_state_from_torch,
+    jax_state,
+    make_optax,
+    make_single_optax,
+    owned,
+)
+
+
+def _inject(pair: Pair, grads: Any, injections) -> Any:
+  """``grads`` with the scripted values written at torch-layout positions."""
+  if not injections:
+    return grads
+  arrays = pair.to_torch_layout(jax.device_get(grads))
+  for name, index, value in injections:
+    arrays[name] = arrays[name].copy()
+    arrays[name].reshape(-1)[index] = value
+  return pair.from_torch_layout(arrays)
+
+
+def _scaler_state_dict(scenario, scale: float, tracker: int) -> dict:
+  """torch's five ``state_dict`` keys for this scenario's hyperparameters."""
+  s = scenario.scaler
+  return {
+      "scale": scale,
+      "growth_factor": s.get("growth_factor", 2.0),
+      "backoff_factor": s.get("backoff_factor", 0.5),
+      "growth_interval": s.get("growth_interval", 2000),
+      "_growth_tracker": tracker,
+  }
 
 
 def _inner(scenario, pair: Pair) -> optax.GradientTransformation:
@@ -44,8 +76,12 @@ class OptaxDriver:
     self.params = pair.params
     self.opt_state = self.tx.init(self.params)
     if scenario.initial_tracker is not None:
-      self.opt_state = self.opt_state._replace(
-          growth_tracker=jnp.asarray(scenario.initial_tracker, jnp.int32)
+      self.opt_state = jaxamp.load_state_dict(
+          self.opt_state,
+          _scaler_state_dict(
+              scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
+              scenario.initial_tracker,
+          ),
       )
     loss_fn = pair.jax_loss
 
@@ -75,13 +111,7 @@ class OptaxDriver:
       )
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       losses.append(float(loss))
-    injections = sc.inject.get(step, ())
-    if injections:
-      arrays = self.pair.to_torch_layout(jax.device_get(grads))
-      for name, index, value in injections:
-        arrays[name] = arrays[name].copy()
-        arrays[name].reshape(-1)[index] = value
-      grads = self.pair.from_torch_layout(arrays)
+    grads = _inject(self.pair, grads, sc.inject.get(step, ()))
     tracker_before = self.opt_state.growth_tracker
     self.params, self.opt_state = self._apply(grads, self.opt_state, self.params)
     new_scale = sc.new_scale.get(step)
@@ -107,19 +137,14 @@ class OptaxDriver:
     return jax.device_get(unscaled), bool(found)
 
   def state(self) -> dict:
-    return jax_state(self.opt_state.inner_state, self.pair, self.scenario.optimizers)
+    return jax_state(self.opt_state.inner_state, self.pair)
 
   def checkpoint(self) -> dict:
     """A torch-style checkpoint (scaler state_dict, params, optimizer state)."""
     s = self.scenario.scaler
+    hyper = {k: s[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in s}
     return {
-        "scaler": {
-            "scale": float(self.opt_state.loss_scale),
-            "growth_factor": s.get("growth_factor", 2.0),
-            "backoff_factor": s.get("backoff_factor", 0.5),
-            "growth_interval": s.get("growth_interval", 2000),
-            "_growth_tracker": int(self.opt_state.growth_tracker),
-        },
+        "scaler": jaxamp.state_dict(self.opt_state, **hyper),
         "params": self.pair.to_torch_layout(jax.device_get(self.params)),
         "optimizer": self.state(),
     }
@@ -132,14 +157,162 @@ class OptaxDriver:
         _inner(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
     )
     self.params = params
-    self.opt_state = fresh._replace(
-        loss_scale=jnp.asarray(np.float32(checkpoint["scaler"]["scale"])),
-        growth_tracker=jnp.asarray(checkpoint["scaler"]["_growth_tracker"], jnp.int32),
-        inner_state=inner,
+    self.opt_state = jaxamp.load_state_dict(
+        fresh._replace(inner_state=inner), checkpoint["scaler"]
     )
+
+
+class GradScalerDriver:
+  """``jaxamp.GradScaler`` and one ``jaxamp.Optimizer`` per torch optimizer.
+
+  Each optimizer holds only the parameters its torch twin owns, as a flat
+  ``{torch_name: leaf}`` dict, so skip decisions are per optimizer as in torch.
+  Clipping is done between ``unscale_`` and ``step`` with optax's global-norm
+  formula, as a torch user calls ``clip_grad_norm_`` there.
+  """
+
+  def __init__(self, scenario, pair: Pair):
+    self.scenario, self.pair = scenario, pair
+    self.scaler = jaxamp.GradScaler(**scenario.scaler)
+    if scenario.initial_tracker is not None:
+      self.scaler.load_state_dict(_scaler_state_dict(
+          scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
+          scenario.initial_tracker,
+      ))
+    self.layouts = [NamedLayout(pair, owned(spec, pair)) for spec in scenario.optimizers]
+    self.optimizers = [
+        jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
+        for spec, layout in zip(scenario.optimizers, self.layouts)
+    ]
+    loss_fn = pair.jax_loss
+
+    def scaled_grads(scaler, params, batch):
+      def scaled_loss(p):
+        loss = loss_fn(p, batch)
+        return scaler.scale(loss), loss
+
+      (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+      return grads, loss, scaler
+
+    def iterate(scaler, optimizers, grads, update):
+      for opt, layout in zip(optimizers, self.layouts):
+        opt.grads = layout.take(grads)
+      if scenario.clip is not None or scenario.explicit_unscale:
+        for opt in optimizers:
+          scaler.unscale_(opt)
+      if scenario.clip is not None:
+        clip = optax.clip_by_global_norm(scenario.clip)
+        clipped, _ = clip.update([opt.grads for opt in optimizers], clip.init(None))
+        for opt, g in zip(optimizers, clipped):
+          opt.grads = g
+      for opt in optimizers:
+        scaler.step(opt)
+      found = [_found_inf(scaler, opt) for opt in optimizers]
+      if update:
+        scaler.update()
+      return scaler, optimizers, found
+
+    self._scaled_grads = jax.jit(scaled_grads)
+    self._iterate = jax.jit(iterate, static_argnums=3)
+
+  def _full_params(self) -> Any:
+    named = {}
+    for opt in self.optimizers:
+      named.update(opt.params)
+    return self.pair.tree_of(named)
+
+  def step(self, step: int) -> dict[str, Any]:
+    sc = self.scenario
+    for opt in self.optimizers:
+      opt.zero_grad()
+    params = self._full_params()
+    grads, losses = None, []
+    for micro in range(sc.accumulate):
+      g, loss, self.scaler = self._scaled_grads(
+          self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
+      )
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      losses.append(float(loss))
+    scale_used = np.float32(self.scaler.get_scale())
+    grads = _inject(self.pair, grads, sc.inject.get(step, ()))
+    new_scale = sc.new_scale.get(step)
+    self._scaler_used = self.scaler  # the jitted iteration returns a new scaler
+    self.scaler, self.optimizers, found = self._iterate(
+        self.scaler, self.optimizers, grads, new_scale is None
+    )
+    if new_scale is not None:
+      self.scaler.update(new_scale=float(new_scale))
+    return {
+        "loss": float(np.mean(losses)),
+        "scale_used": scale_used,
+        "found": [bool(f) for f in found],
+        "scale": np.float32(self.scaler.get_scale()),
+        "tracker": self.scaler._get_growth_tracker(),
+        "params": self._params_torch_layout(),
+    }
+
+  def _params_torch_layout(self) -> dict:
+    out = {}
+    for opt, layout in zip(self.optimizers, self.layouts):
+      out.update(layout.to_torch_layout(jax.device_get(opt.params)))
+    return out
+
+  def unscale_torch_grads(self, scaled: dict, scale: np.float32):
+    """``GradScaler.unscale_`` on torch's scaled gradients, in a copy of the
+    scaler as it was before this step's update.
+
+    ``scale`` is torch's; the copy unscales with its own scale, which the
+    scale comparison checks to be bit-equal to it.
+    """
+    del scale
+    scaler = jax.tree.map(lambda x: x, self._scaler_used)
+    unscaled, found = {}, False
+    for layout in self.layouts:
+      grads = layout.from_torch_layout(scaled)
+      probe = jaxamp.Optimizer(optax.identity(), grads, grads=grads)
+      scaler.unscale_(probe)
+      unscaled.update(layout.to_torch_layout(jax.device_get(probe.grads)))
+      found = found or _found_inf(scaler, probe)
+    return unscaled, bool(found)
+
+  def state(self) -> dict:
+    merged: dict = {}
+    for opt, layout in zip(self.optimizers, self.layouts):
+      for kind, values in jax_state(opt.opt_state, layout).items():
+        merged.setdefault(kind, {}).update(values)
+    return merged
+
+  def checkpoint(self) -> dict:
+    return {
+        "scaler": self.scaler.state_dict(),
+        "params": self._params_torch_layout(),
+        "optimizer": self.state(),
+    }
+
+  def resume(self, checkpoint: dict) -> None:
+    """A fresh ``jaxamp.GradScaler()`` and fresh optimizers loaded from a torch checkpoint."""
+    self.scaler = jaxamp.GradScaler()
+    self.scaler.load_state_dict(checkpoint["scaler"])
+    self.optimizers = []
+    for spec, layout in zip(self.scenario.optimizers, self.layouts):
+      tx = make_single_optax(spec)
+      params = layout.from_torch_layout(checkpoint["params"])
+      opt_state = jax_inner_state_from_torch(tx, params, layout, checkpoint["optimizer"])
+      self.optimizers.append(jaxamp.Optimizer(tx, params, opt_state=opt_state))
+
+
+def _found_inf(scaler, optimizer) -> Any:
+  """The found_inf ``scaler`` recorded for ``optimizer`` this iteration (private
+  state, read as torch's ``_per_optimizer_states`` is); False when disabled."""
+  record = scaler._states.get(optimizer._key)
+  if record is None or record.found_inf is None:
+    return False
+  return record.found_inf
 
 
 def make(api: str, scenario, pair: Pair):
   if api == "optax":
     return OptaxDriver(scenario, pair)
+  if api == "grad_scaler":
+    return GradScalerDriver(scenario, pair)
   raise ValueError(f"unknown api {api!r}")

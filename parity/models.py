@@ -88,6 +88,33 @@ class Pair:
     return out
 
 
+class NamedLayout:
+  """The parameters ``names`` of ``pair`` as a flat ``{torch_name: leaf}`` dict.
+
+  Leaves keep the Flax layout (a Dense kernel is transposed); this is how one
+  ``jaxamp.Optimizer`` holds just the parameters its torch optimizer owns.
+  """
+
+  def __init__(self, pair: Pair, names: list[str]):
+    self.names = list(names)
+    self._kinds = {name: kind for name, _, kind in pair.layout}
+    self._paths = {name: path for name, path, _ in pair.layout}
+
+  def to_torch_layout(self, tree: dict) -> dict[str, np.ndarray]:
+    return {
+        n: _to_torch(np.asarray(tree[n]), self._kinds[n])
+        for n in self.names
+        if not isinstance(tree[n], optax.MaskedNode)
+    }
+
+  def from_torch_layout(self, arrays: dict[str, Any]) -> dict:
+    return {n: jnp.asarray(_from_torch(np.asarray(arrays[n]), self._kinds[n])) for n in self.names}
+
+  def take(self, full_tree: Any) -> dict:
+    """This subset's leaves of a full (Flax-structured) params tree."""
+    return {n: _get(full_tree, self._paths[n]) for n in self.names}
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
   """A torch tensor as numpy, bfloat16 kept bit-exact (as ``ml_dtypes``)."""
   t = t.detach()
@@ -136,7 +163,7 @@ def _copy_weights(module: torch.nn.Module, layout) -> Any:
   tree: dict = {}
   for name, path, kind in layout:
     _set(tree, path, jnp.asarray(_from_torch(arrays[name], kind)))
-  return {"params": tree["params"]} if "params" in tree else tree
+  return tree
 
 
 def _autocast(dtype: str | None):

@@ -53,7 +53,7 @@ def make_torch(spec: OptSpec, pair: Pair) -> torch.optim.Optimizer:
   raise ValueError(spec.kind)
 
 
-def _make_optax(spec: OptSpec) -> optax.GradientTransformation:
+def make_single_optax(spec: OptSpec) -> optax.GradientTransformation:
   if spec.kind == "sgd":
     return optax.sgd(spec.lr, momentum=spec.momentum or None)
   if spec.kind == "adam":
@@ -66,13 +66,13 @@ def _make_optax(spec: OptSpec) -> optax.GradientTransformation:
 def make_optax(specs: tuple[OptSpec, ...], pair: Pair) -> optax.GradientTransformation:
   """One optax transformation standing for all of ``specs``."""
   if len(specs) == 1:
-    return _make_optax(specs[0])
+    return make_single_optax(specs[0])
   labels = {}
   for i, spec in enumerate(specs):
     for name in owned(spec, pair):
       labels[name] = f"opt{i}"
   return optax.multi_transform(
-      {f"opt{i}": _make_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
+      {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
   )
 
 
@@ -94,8 +94,12 @@ def _is_state_node(x: Any) -> bool:
   return isinstance(x, (optax.TraceState, optax.ScaleByAdamState))
 
 
-def jax_state(inner_state: Any, pair: Pair, specs: tuple[OptSpec, ...]) -> dict:
-  """The optax state in :func:`torch_state`'s layout (``step`` per parameter)."""
+def jax_state(inner_state: Any, pair: Pair) -> dict:
+  """The optax state in :func:`torch_state`'s layout (``step`` per parameter).
+
+  ``pair`` is anything with ``to_torch_layout`` for params-shaped trees: a
+  :class:`~parity.models.Pair`, or a :class:`~parity.models.NamedLayout`.
+  """
   nodes = [
       n for n in jax.tree.leaves(jax.device_get(inner_state), is_leaf=_is_state_node)
       if _is_state_node(n)
@@ -148,7 +152,10 @@ def _torch_has_momentum(opt: torch.optim.Optimizer) -> bool:
 def jax_inner_state_from_torch(
     tx: optax.GradientTransformation, params: Any, pair: Pair, state: dict
 ) -> Any:
-  """An optax state for ``tx`` holding a :func:`torch_state` (resuming a torch run)."""
+  """An optax state for ``tx`` holding a :func:`torch_state` (resuming a torch run).
+
+  ``pair`` converts params-shaped trees, as in :func:`jax_state`.
+  """
   fresh = tx.init(params)
 
   def fill(node):

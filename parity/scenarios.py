@@ -160,15 +160,20 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "linear_inf_scale",
-        "SPEC 18: update(new_scale=inf) at step 1; every later step is skipped, scale inf.",
+        "SPEC 18: update(new_scale=inf) at step 1; every later step is skipped, scale inf. "
+        "optax only: the wrapper's state is given the inf scale directly; "
+        "jaxamp.GradScaler.update rejects a non-finite new_scale on purpose.",
         models.linear10, steps=5, scaler=_factors(8.0, 2.0, 0.5, 1), new_scale={1: INF},
         spec=(18,),
+        apis=("optax",),
     ),
     Scenario(
         "linear_nan_scale",
-        "SPEC 18: update(new_scale=nan) at step 1; every later step is skipped, scale NaN.",
+        "SPEC 18: update(new_scale=nan) at step 1; every later step is skipped, scale NaN. "
+        "optax only, as linear_inf_scale.",
         models.linear10, steps=5, scaler=_factors(8.0, 2.0, 0.5, 1), new_scale={1: NAN},
         spec=(18,),
+        apis=("optax",),
     ),
     Scenario(
         "linear_update_new_scale",

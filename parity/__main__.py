@@ -1,0 +1,149 @@
+"""``python -m parity``: every scenario in torch and in jaxamp, compared step by step.
+
+Exit status: 0 when every run matches torch, 1 when one does not, 2 on bad input
+(a missing dependency, an unknown scenario, an output path that cannot be written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import os
+import pathlib
+import sys
+import tempfile
+
+_APIS = ("optax", "grad_scaler")
+_INSTALL_HINT = "Install the parity extra: pip install -e '.[parity]' (or run bash scripts/parity.sh)."
+
+
+class BadInput(Exception):
+  """A problem with the command line or the environment, reported without a traceback."""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog="python -m parity",
+      description="Runs the same models under torch.amp.GradScaler and under jaxamp and "
+      "compares scale, growth tracker, skip decisions, unscaled gradients (bit for bit), "
+      "parameters and optimizer states (within stated tolerances) after every step.",
+  )
+  parser.add_argument("--scenario", action="append", metavar="NAME",
+                      help="run only this scenario (repeatable); see --list")
+  parser.add_argument("--api", choices=(*_APIS, "all"), default="all",
+                      help="which jaxamp API to compare (default: all that apply)")
+  parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+  parser.add_argument("--json", metavar="PATH", type=pathlib.Path,
+                      help="also write the results as JSON")
+  parser.add_argument("--png", metavar="PATH", type=pathlib.Path,
+                      default=pathlib.Path("parity_out/parity.png"),
+                      help="where to write the scale and loss curves (default: %(default)s)")
+  parser.add_argument("--no-png", action="store_true", help="do not draw the curves")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return parser.parse_args(argv)
+
+
+def _require(module: str, why: str) -> None:
+  try:
+    importlib.import_module(module)
+  except ImportError as error:
+    raise BadInput(f"{module} is not installed ({why}): {error}. {_INSTALL_HINT}") from None
+
+
+def _check_writable(path: pathlib.Path, what: str) -> None:
+  """Fails early, before minutes of running, if ``path`` cannot be written."""
+  if path.is_dir():
+    raise BadInput(f"cannot write the {what} to {path}: it is a directory.")
+  parent = path.parent if str(path.parent) else pathlib.Path(".")
+  try:
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=parent, prefix=".parity-check-"):
+      pass
+    if path.exists() and not os.access(path, os.W_OK):
+      raise PermissionError(f"{path} is read-only")
+  except OSError as error:
+    raise BadInput(f"cannot write the {what} to {path}: {error}") from None
+
+
+def _select(names: list[str] | None, registry: dict) -> list:
+  if not names:
+    return list(registry.values())
+  unknown = [n for n in names if n not in registry]
+  if unknown:
+    lines = []
+    for name in unknown:
+      close = difflib.get_close_matches(name, registry, n=3)
+      hint = f" Did you mean: {', '.join(close)}?" if close else ""
+      lines.append(f"unknown scenario {name!r}.{hint}")
+    lines.append("python -m parity --list shows all scenarios.")
+    raise BadInput("\n".join(lines))
+  return [registry[n] for n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  try:
+    _require("torch", "the reference side of every scenario")
+    _require("sklearn", "the digits data set")
+    from parity.scenarios import REGISTRY
+
+    if args.list:
+      for scenario in REGISTRY.values():
+        apis = ", ".join(scenario.apis)
+        print(f"{scenario.name}  [{apis}]\n    {scenario.doc}")
+      return 0
+    selected = _select(args.scenario, REGISTRY)
+    if not args.no_png:
+      _require("matplotlib", "the --png curves; pass --no-png to skip them")
+      _check_writable(args.png, "PNG")
+    if args.json is not None:
+      _check_writable(args.json, "JSON results")
+    return _run(args, selected)
+  except BadInput as error:
+    print(f"parity: {error}", file=sys.stderr)
+    return 2
+
+
+def _run(args, selected) -> int:
+  from parity import engine, report
+
+  runs = [
+      (scenario, api)
+      for scenario in selected
+      for api in _APIS
+      if api in scenario.apis and args.api in (api, "all")
+  ]
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    tqdm = None
+  progress = None
+  if tqdm is not None and not args.no_progress:
+    progress = tqdm(total=len(runs), unit="run", file=sys.stderr)
+  results = []
+  for scenario, api in runs:
+    if progress is not None:
+      progress.set_description(f"{scenario.name} [{api}]")
+    results.append(engine.run(scenario, api))
+    if progress is not None:
+      progress.update()
+  if progress is not None:
+    progress.close()
+  print(report.table(results))
+  seconds = sum(r.seconds for r in results)
+  print(f"{len(results)} runs in {seconds:.0f} s.")
+  try:
+    if args.json is not None:
+      report.write_json(results, args.json)
+      print(f"results written to {args.json}")
+    if not args.no_png:
+      report.write_png(results, {s.name for s in selected if s.plot}, args.png)
+      print(f"curves written to {args.png}")
+  except OSError as error:
+    raise BadInput(f"cannot write the output: {error}") from None
+  return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
