@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._scale_update import update_loss_scale
 from jaxamp._validation import check_hyperparameter_dtype, concrete_value
 
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -62,6 +63,53 @@ def check_protection_options(
       raise TypeError(f"jaxamp: {name} must be an int, got {value!r}.")
     if concrete < minimum:
       raise ValueError(f"jaxamp: {name} must be >= {minimum}, got {concrete!r}.")
+
+
+def update_loss_scale_with_options(
+    loss_scale: jax.Array,
+    growth_tracker: jax.Array,
+    hysteresis_tracker: jax.Array,
+    found_inf: jax.Array,
+    *,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    min_loss_scale: Any = None,
+    max_loss_scale: Any = None,
+    hysteresis: Any = 1,
+    consecutive_hysteresis: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """torch's :func:`~jaxamp.update_loss_scale` with the opt-in options.
+
+  Returns the new ``(loss_scale, growth_tracker, hysteresis_tracker)``::
+
+    back_off = found_inf and hysteresis_tracker <= 1
+    scale, tracker = update_loss_scale(scale, tracker, found_inf)   # torch
+    if found_inf and not back_off: scale = old scale                # absorbed
+    scale = clip(scale, min_loss_scale, max_loss_scale)
+    hysteresis_tracker: refilled to ``hysteresis`` on a growth attempt (or on
+      any finite step with ``consecutive_hysteresis``), decremented by an
+      absorbed overflow, kept on a backoff.
+
+  With the defaults (no bounds, ``hysteresis=1``) this is exactly torch's rule.
+  """
+  back_off = found_inf & (hysteresis_tracker <= 1)
+  new_scale, new_tracker = update_loss_scale(
+      loss_scale,
+      growth_tracker,
+      found_inf,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      growth_interval=growth_interval,
+  )
+  new_scale = jnp.where(found_inf & ~back_off, loss_scale, new_scale)
+  new_scale = clamp_scale(new_scale, min_loss_scale, max_loss_scale)
+  refill = ~found_inf if consecutive_hysteresis else ~found_inf & (new_tracker == 0)
+  absorbed = (found_inf & ~back_off).astype(jnp.int32)
+  new_hysteresis = jnp.where(
+      refill, jnp.asarray(hysteresis, jnp.int32), hysteresis_tracker - absorbed
+  )
+  return new_scale, new_tracker, new_hysteresis
 
 
 def clamp_scale(scale: jax.Array, min_loss_scale: Any, max_loss_scale: Any) -> jax.Array:

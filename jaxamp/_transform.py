@@ -10,8 +10,11 @@ import optax
 from jax import lax
 
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
-from jaxamp._scale_update import update_loss_scale
-from jaxamp._protections import check_protection_options, check_skip_limit, clamp_scale
+from jaxamp._protections import (
+    check_protection_options,
+    check_skip_limit,
+    update_loss_scale_with_options,
+)
 from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
 from jaxamp._validation import (
     check_float_gradients,
@@ -211,22 +214,18 @@ def dynamic_loss_scale(
     new_updates, inner_state = lax.cond(
         found_inf, lambda: _skipped_step(apply_inner, state.inner_state), apply_inner
     )
-    back_off = found_inf & (state.hysteresis_tracker <= 1)
-    loss_scale, growth_tracker = update_loss_scale(
+    loss_scale, growth_tracker, hysteresis_tracker = update_loss_scale_with_options(
         state.loss_scale,
         state.growth_tracker,
+        state.hysteresis_tracker,
         found_inf,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
-    )
-    loss_scale = jnp.where(found_inf & ~back_off, state.loss_scale, loss_scale)
-    loss_scale = clamp_scale(loss_scale, min_loss_scale, max_loss_scale)
-    refill = ~found_inf if consecutive_hysteresis else ~found_inf & (growth_tracker == 0)
-    hysteresis_tracker = jnp.where(
-        refill,
-        jnp.asarray(hysteresis, jnp.int32),
-        jnp.where(back_off, state.hysteresis_tracker, state.hysteresis_tracker - found_inf),
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
     )
     new_state = DynamicLossScaleState(
         loss_scale=loss_scale,
