@@ -194,26 +194,32 @@ class GradScalerDriver:
       (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
       return grads, loss, scaler
 
-    def iterate(scaler, optimizers, grads, update):
+    def iterate(scaler, optimizers, grads, update, late_inject, unstepped):
       for opt, layout in zip(optimizers, self.layouts):
         opt.grads = layout.take(grads)
       if scenario.clip is not None or scenario.explicit_unscale:
         for opt in optimizers:
           scaler.unscale_(opt)
+      for name, position, value in late_inject:
+        for opt in optimizers:
+          if name in opt.grads:
+            g = opt.grads[name]
+            opt.grads = {**opt.grads, name: g.reshape(-1).at[position].set(value).reshape(g.shape)}
       if scenario.clip is not None:
         clip = optax.clip_by_global_norm(scenario.clip)
         clipped, _ = clip.update([opt.grads for opt in optimizers], clip.init(None))
         for opt, g in zip(optimizers, clipped):
           opt.grads = g
-      for opt in optimizers:
-        scaler.step(opt)
+      for i, opt in enumerate(optimizers):
+        if i not in unstepped:
+          scaler.step(opt)
       found = [_found_inf(scaler, opt) for opt in optimizers]
       if update:
         scaler.update()
       return scaler, optimizers, found
 
     self._scaled_grads = jax.jit(scaled_grads)
-    self._iterate = jax.jit(iterate, static_argnums=3)
+    self._iterate = jax.jit(iterate, static_argnums=(3, 4, 5))
 
   def _full_params(self) -> Any:
     named = {}
@@ -237,15 +243,20 @@ class GradScalerDriver:
     grads = _inject(self.pair, grads, sc.inject.get(step, ()))
     new_scale = sc.new_scale.get(step)
     self._scaler_used = self.scaler  # the jitted iteration returns a new scaler
+    late = tuple(
+        (name, self.pair.flax_position(name, index), value)
+        for name, index, value in sc.late_inject.get(step, ())
+    )
     self.scaler, self.optimizers, found = self._iterate(
-        self.scaler, self.optimizers, grads, new_scale is None
+        self.scaler, self.optimizers, grads, new_scale is None, late,
+        tuple(sc.unstepped.get(step, ())),
     )
     if new_scale is not None:
       self.scaler.update(new_scale=float(new_scale))
     return {
         "loss": float(np.mean(losses)),
         "scale_used": scale_used,
-        "found": [bool(f) for f in found],
+        "found": [None if f is None else bool(f) for f in found],
         "scale": np.float32(self.scaler.get_scale()),
         "tracker": self.scaler._get_growth_tracker(),
         "params": self._params_torch_layout(),
@@ -268,6 +279,8 @@ class GradScalerDriver:
     scaler = jax.tree.map(lambda x: x, self._scaler_used)
     unscaled, found = {}, False
     for layout in self.layouts:
+      if not all(name in scaled for name in layout.names):
+        continue  # an optimizer torch left untouched this step
       grads = layout.from_torch_layout(scaled)
       probe = jaxamp.Optimizer(optax.identity(), grads, grads=grads)
       scaler.unscale_(probe)
@@ -303,11 +316,12 @@ class GradScalerDriver:
 
 def _found_inf(scaler, optimizer) -> Any:
   """The found_inf ``scaler`` recorded for ``optimizer`` this iteration (private
-  state, read as torch's ``_per_optimizer_states`` is); False when disabled."""
-  record = scaler._states.get(optimizer._key)
-  if record is None or record.found_inf is None:
+  state, read as torch's ``_per_optimizer_states`` is); False when disabled,
+  None when the optimizer recorded none (neither unscaled nor stepped)."""
+  if not scaler.is_enabled():
     return False
-  return record.found_inf
+  record = scaler._states.get(optimizer._key)
+  return None if record is None else record.found_inf
 
 
 def make(api: str, scenario, pair: Pair):

@@ -26,7 +26,7 @@ import torch
 
 from parity import drivers
 from parity.models import Pair, to_torch_tensor
-from parity.optimizers import make_torch, torch_state
+from parity.optimizers import make_torch, owned, torch_state
 
 _MAX_FAILURES = 5
 
@@ -131,13 +131,22 @@ class TorchRun:
       for opt in self.optimizers:
         scaler.unscale_(opt)
       unscaled = self.pair.torch_arrays("grad")
+    for name, index, value in sc.late_inject.get(step, ()):
+      with torch.no_grad():
+        self.named[name].grad.view(-1)[index] = value
     if sc.clip is not None:
       torch.nn.utils.clip_grad_norm_(self.pair.torch_module.parameters(), sc.clip)
-    for opt in self.optimizers:
-      scaler.step(opt)
+    unstepped = sc.unstepped.get(step, ())
+    for i, opt in enumerate(self.optimizers):
+      if i not in unstepped:
+        scaler.step(opt)
     if unscaled is None:
       unscaled = self.pair.torch_arrays("grad")
     found = [self._found_inf(opt) for opt in self.optimizers]
+    for i, flag in enumerate(found):
+      if flag is None:  # neither unscaled nor stepped: its grads are still scaled
+        for name in owned(sc.optimizers[i], self.pair):
+          unscaled.pop(name, None)
     new_scale = sc.new_scale.get(step)
     if new_scale is None:
       scaler.update()
@@ -154,11 +163,14 @@ class TorchRun:
         "params": self.pair.torch_arrays("data"),
     }
 
-  def _found_inf(self, opt) -> bool:
+  def _found_inf(self, opt) -> bool | None:
+    """The optimizer's recorded found_inf; None if it recorded none this step."""
     if not self.scaler.is_enabled():
       return False
-    per_device = self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
-    return bool(sum(v.item() for v in per_device.values()))
+    record = self.scaler._per_optimizer_states.get(id(opt))  # .get: no new entry
+    if record is None or not record["found_inf_per_device"]:
+      return None
+    return bool(sum(v.item() for v in record["found_inf_per_device"].values()))
 
   def state(self) -> dict:
     merged: dict = {}
@@ -248,7 +260,8 @@ def run(scenario, api: str) -> Result:
       result.skips_match = False
       result.fail(step, f"skip decisions: jaxamp {j['found']} torch {t['found']}")
     if check_unscale:
-      unscaled, found = jax_run.unscale_torch_grads(t["scaled"], t["scale_used"])
+      checked = {name: t["scaled"][name] for name in t["unscaled"]}
+      unscaled, found = jax_run.unscale_torch_grads(checked, t["scale_used"])
       bits_ok = bool(found) == any(t["found"])
       if not bits_ok:
         result.fail(step, f"unscale_and_check found_inf {bool(found)}, torch {t['found']}")

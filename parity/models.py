@@ -72,6 +72,13 @@ class Pair:
       _set(tree, path, jnp.asarray(_from_torch(np.asarray(arrays[name]), kind)))
     return tree
 
+  def flax_position(self, name: str, index: int) -> int:
+    """Where torch's flat ``index`` into parameter ``name`` is in the Flax layout."""
+    kind = dict((n, k) for n, _, k in self.layout)[name]
+    shape = self.torch_arrays("data")[name].shape
+    positions = _from_torch(np.arange(int(np.prod(shape))).reshape(shape), kind).reshape(-1)
+    return int(np.flatnonzero(positions == index)[0])
+
   def tree_of(self, values: dict[str, Any]) -> Any:
     """A params-shaped tree holding ``values[torch_name]`` as leaves, unconverted."""
     tree: dict = {}

@@ -44,6 +44,8 @@ class Scenario:
       the scaled gradients after backward.
     clip: ``clip_grad_norm_`` max norm after ``unscale_`` (``clip_by_global_norm``).
     explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
+    late_inject: as ``inject``, but written after ``unscale_`` (not re-checked).
+    unstepped: ``{step: (optimizer index, ...)}`` whose ``step`` is not called.
     new_scale: ``{step: value}``: ``update(new_scale=value)`` at that step.
     initial_tracker: a growth tracker loaded before the first step.
     accumulate: micro-batches whose scaled gradients are summed per step.
@@ -66,6 +68,8 @@ class Scenario:
   inject: dict = dataclasses.field(default_factory=dict)
   clip: float | None = None
   explicit_unscale: bool = False
+  late_inject: dict = dataclasses.field(default_factory=dict)
+  unstepped: dict = dataclasses.field(default_factory=dict)
   new_scale: dict = dataclasses.field(default_factory=dict)
   initial_tracker: int | None = None
   accumulate: int = 1
@@ -349,6 +353,43 @@ SCENARIOS: list[Scenario] = [
         optimizers=(OptSpec("sgd", 0.1),), steps=200,
         scaler=_factors(2.0**20, 2.0, 0.5, 20), autocast="float16", param_rtol=1e-2,
         plot=True,
+    ),
+    Scenario(
+        "two_layer_per_optimizer_skip",
+        "SPEC 29: two optimizers (momentum SGD on layer 0, Adam on layer 2), inf only in "
+        "layer 0 at step 1, NaN only in layer 2 at step 2, both at step 3: each optimizer "
+        "skips on its own gradients, and the scale backs off once per update.",
+        models.two_layer,
+        optimizers=(OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
+                    OptSpec("adam", 0.01, prefix="2.")),
+        steps=8, scaler=_factors(8.0, 2.0, 0.5, 2),
+        inject={1: (("0.weight", 3, INF),), 2: (("2.bias", 1, NAN),),
+                3: (("0.bias", 0, INF), ("2.weight", 9, NAN))},
+        spec=(29,), apis=("grad_scaler",),
+    ),
+    Scenario(
+        "two_layer_untouched_optimizer",
+        "SPEC 30: at step 2 only the first optimizer is stepped: only it is recorded, the "
+        "update grows normally (interval 1) and the second's parameters stay put.",
+        models.two_layer,
+        optimizers=(OptSpec("sgd", 0.05, prefix="0."), OptSpec("sgd", 0.05, prefix="2.")),
+        steps=5, scaler=_factors(8.0, 2.0, 0.5, 1), unstepped={2: (1,)},
+        spec=(30,), apis=("grad_scaler",),
+    ),
+    Scenario(
+        "linear_unscale_without_step",
+        "SPEC 54: at step 2, unscale_ but no step: a clean update (the scale grows at "
+        "interval 1) and the parameters stay put.",
+        models.linear10, steps=4, scaler=_factors(4.0, 2.0, 0.5, 1), explicit_unscale=True,
+        unstepped={2: (0,)}, spec=(54,), apis=("grad_scaler",),
+    ),
+    Scenario(
+        "linear_post_unscale_corruption",
+        "SPEC 28: unscale_, then an inf written into the gradient, then step: the "
+        "found_inf recorded at unscale_ time is used, the step is taken (parameter -inf), "
+        "and the update counts it clean.",
+        models.linear10, steps=3, scaler=_factors(4.0, 2.0, 0.5, 2000), explicit_unscale=True,
+        late_inject=_at([1], INF, "0.weight", 12), spec=(28,), apis=("grad_scaler",),
     ),
 ]
 
