@@ -44,13 +44,20 @@ def all_reduce_found_inf(
       over it), or the scale state differs between those devices.
   """
   names = _axis_names(axis_name)
+  _check_bound(names, axis_name)
   _check_replicated(state, names)
-  try:
-    count = lax.psum(found_inf.astype(jnp.int32), names)
-  except NameError as error:
-    raise ValueError(
-        f"jaxamp: axis_name={axis_name!r} is not bound here. Call the update "
-        "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
-        f"unset under plain jax.jit. ({error})"
-    ) from None
-  return count > 0
+  return lax.psum(found_inf.astype(jnp.int32), names) > 0
+
+
+def _check_bound(names: tuple[str, ...], axis_name: Any) -> None:
+  # Asked before psum: inside shard_map, psum over an axis the mesh lacks fails
+  # with a bare AssertionError (jax 0.10), not the NameError it raises elsewhere.
+  for name in names:
+    try:
+      lax.axis_size(name)
+    except NameError as error:
+      raise ValueError(
+          f"jaxamp: axis_name={axis_name!r} is not bound here. Call the update "
+          "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
+          f"unset under plain jax.jit. ({error})"
+      ) from None
