@@ -18,6 +18,7 @@ from jaxamp._protections import (
 from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
 from jaxamp._validation import (
     check_float_gradients,
+    check_leaf_count,
     check_hyperparameters,
     check_same_structure,
 )
@@ -200,6 +201,7 @@ def dynamic_loss_scale(
       )
       return new_updates, state._replace(inner_state=inner_state)
 
+    check_leaf_count(updates, state.nonfinite_leaves)
     unscaled, finite = unscale_and_check_leaves(updates, state.loss_scale)
     if detect_unscale_overflow:
       finite = finite & leaf_finite_flags(unscaled)

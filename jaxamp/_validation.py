@@ -48,6 +48,18 @@ def check_same_structure(grads: Any, params: Any) -> None:
     )
 
 
+def check_leaf_count(grads: Any, per_leaf_state: Any) -> None:
+  """Raises ValueError if ``grads`` has another number of array leaves than
+  the parameters the state was initialised with."""
+  expected = jax.tree.leaves(per_leaf_state)[0].shape[0]
+  count = len(jax.tree.leaves(grads))
+  if count != expected:
+    raise ValueError(
+        f"jaxamp: the gradient tree has {count} array leaves, but the optimizer "
+        f"state was initialised for parameters with {expected}."
+    )
+
+
 def concrete_value(x: Any) -> float | None:
   """The value of a concrete number or array scalar; None when traced."""
   if isinstance(x, numbers.Number):

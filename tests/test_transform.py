@@ -113,6 +113,8 @@ def test_dynamic_loss_scale_state_round_trips_through_tree_map_and_cond():
   state = state._replace(
       loss_scale=jnp.float32(0.75), growth_tracker=jnp.int32(3), found_inf=jnp.bool_(True),
       skipped_steps=jnp.int32(9), consecutive_skipped_steps=jnp.int32(2),
+      hysteresis_tracker=jnp.int32(4), update_count=jnp.int32(17),
+      nonfinite_leaves=jnp.array([True, False]),
   )
   _, state = tx.update(_grads(0.75), state, PARAMS)  # non-default inner state too
   mapped = jax.tree.map(lambda x: x, state)
@@ -355,6 +357,9 @@ def test_dynamic_loss_scale_rejects_grads_of_another_tree():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   with pytest.raises(ValueError, match="gradient tree does not match the parameter tree"):
     tx.update({"w": jnp.ones((2, 3))}, tx.init(PARAMS), PARAMS)
+  # Without params (optax allows it), the leaf count is still checked.
+  with pytest.raises(ValueError, match="gradient tree has 1 array leaves.*with 2"):
+    tx.update({"w": jnp.ones((2, 3))}, tx.init(PARAMS))
 
 
 def test_dynamic_loss_scale_traced_hyperparameters_are_not_validated_but_work():
