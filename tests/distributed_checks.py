@@ -91,43 +91,49 @@ def _devices_checks() -> dict:
   import jaxamp
 
   assert jax.device_count() == 8, jax.devices()
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = jax.make_mesh((8,), ("data",))  # Explicit axes (jax.make_mesh's default)
+  auto_mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))  # Auto axes
   scaler = {"init_scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
   inf_step, inf_index = 1, 10  # w[10] lives on device 5 (2 elements per device)
 
-  def put(x, spec):
-    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+  def put(x, spec, on=mesh):
+    return jax.device_put(jnp.asarray(x), NamedSharding(on, spec))
 
-  def params():
+  def params(on=mesh):
     return {
-        "w": put(np.linspace(-1, 1, 16, dtype=np.float32), P("data")),
-        "m": put(np.arange(32, dtype=np.float32).reshape(8, 4) / 8, P("data", None)),
-        "r": put(np.array([1.0, 2.0, 3.0], np.float32), P()),
+        "w": put(np.linspace(-1, 1, 16, dtype=np.float32), P("data"), on),
+        "m": put(np.arange(32, dtype=np.float32).reshape(8, 4) / 8, P("data", None), on),
+        "r": put(np.array([1.0, 2.0, 3.0], np.float32), P(), on),
     }
 
-  def grads(step):
+  def grads(step, on=mesh):
     w = np.full(16, 0.25, np.float32) * scaler["init_scale"]
     if step == inf_step:
       w[inf_index] = np.inf
     return {
-        "w": put(w, P("data")),
-        "m": put(np.full((8, 4), -0.5, np.float32), P("data", None)),
-        "r": put(np.array([0.1, 0.2, 0.3], np.float32), P()),
+        "w": put(w, P("data"), on),
+        "m": put(np.full((8, 4), -0.5, np.float32), P("data", None), on),
+        "r": put(np.array([0.1, 0.2, 0.3], np.float32), P(), on),
     }
 
   def shards(x):
     """Per device (by id): the shard's values."""
     return {str(s.device.id): _floats(s.data) for s in x.addressable_shards}
 
+  def sharding(x):
+    if isinstance(x.sharding, NamedSharding):
+      return _spec(x.sharding.spec)
+    return type(x.sharding).__name__
+
   def specs(tree):
-    return jax.tree.map(lambda x: _spec(x.sharding.spec), tree)
+    return jax.tree.map(sharding, tree)
 
   scalars = ("loss_scale", "growth_tracker", "found_inf", "skipped_steps",
              "consecutive_skipped_steps")
 
   def state_spec_strings(state):
     adam = state.inner_state[0]
-    return {**{f: _spec(getattr(state, f).sharding.spec) for f in scalars},
+    return {**{f: sharding(getattr(state, f)) for f in scalars},
             "mu": specs(adam.mu), "nu": specs(adam.nu)}
 
   def init(tx, p):
@@ -136,10 +142,13 @@ def _devices_checks() -> dict:
 
   checks = {}
 
-  def jit_sharded():
+  def jit_sharded(on):
     tx = jaxamp.dynamic_loss_scale(optax.adam(0.1), **scaler)
-    p = params()
-    state = init(tx, p)
+    p = params(on)
+    if on is mesh:
+      state = init(tx, p)  # Explicit axes: jit needs the mesh context
+    else:
+      state = jax.jit(tx.init)(p)
 
     @jax.jit
     def step(p, state, g):
@@ -148,7 +157,7 @@ def _devices_checks() -> dict:
 
     out = {"param_specs": specs(p), "state_specs": state_spec_strings(state), "steps": []}
     for i in range(4):
-      new_p, updates, new_state = step(p, state, grads(i))
+      new_p, updates, new_state = step(p, state, grads(i, on))
       out["steps"].append({
           "param_specs": specs(new_p),
           "update_specs": specs(updates),
@@ -294,6 +303,31 @@ def _devices_checks() -> dict:
     scale, found = step(w, state, g)
     return {"scale": np.asarray(scale).tolist(), "found_inf": np.asarray(found).tolist()}
 
+  def shard_map_pmean_no_axis_name():
+    """Replicated params, one row per device, gradients pmean-ed before the
+    update, no axis_name; the inf is in device 5's row only."""
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), **scaler)
+    w = put(np.ones(3, np.float32), P())
+    state = init(tx, w)
+    x = np.ones((8, 3), np.float32)
+    x[5, 0] = np.inf
+
+    def body(w, state, x):
+      grads = jax.grad(lambda w: jaxamp.scale_loss(jnp.sum(w * x), state))(w)
+      grads = lax.pmean(grads, "data")
+      updates, state = tx.update(grads, state, w)
+      return optax.apply_updates(w, updates), state
+
+    new_w, new_state = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()),
+    ))(w, state, put(x, P("data")))
+    return {
+        "found_inf_per_device": [bool(s.data) for s in new_state.found_inf.addressable_shards],
+        "scale_per_device": [float(s.data) for s in new_state.loss_scale.addressable_shards],
+        "params_before": shards(w),
+        "params_after": shards(new_w),
+    }
+
   def pmap_run(axis_name):
     tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name=axis_name, **scaler)
     p = jnp.linspace(-1, 1, 16, dtype=jnp.float32).reshape(8, 2)
@@ -320,12 +354,14 @@ def _devices_checks() -> dict:
     return _error(lambda: jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="data")(p, state))
 
   runs = {
-      "jit_sharded": jit_sharded,
+      "jit_sharded": lambda: jit_sharded(mesh),
+      "jit_sharded_auto_axes": lambda: jit_sharded(auto_mesh),
       "shard_map_axis_name": lambda: shard_map_run("data"),
       "shard_map_no_axis_name": lambda: shard_map_run(None),
       "shard_map_replicated_out_axis_name": lambda: shard_map_replicated_out("data"),
       "shard_map_replicated_out_no_axis_name": lambda: shard_map_replicated_out(None),
       "shard_map_errors": shard_map_errors,
+      "shard_map_pmean_no_axis_name": shard_map_pmean_no_axis_name,
       "mesh_2d_both_axes": lambda: mesh_2d(("data", "model")),
       "mesh_2d_data_axis_only": lambda: mesh_2d("data"),
       "pmap_axis_name": lambda: pmap_run("data"),
