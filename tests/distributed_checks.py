@@ -294,7 +294,7 @@ def _devices_checks() -> dict:
       state = jax.jit(tx.init)(w)
 
     def body(w, state, g):
-      updates, state = tx.update(g, state, w)
+      _, state = tx.update(g, state, w)
       return state.loss_scale.reshape(1, 1), state.found_inf.reshape(1, 1)
 
     step = jax.jit(jax.shard_map(
