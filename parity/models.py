@@ -12,6 +12,7 @@ conversion error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +75,7 @@ class Pair:
 
   def flax_position(self, name: str, index: int) -> int:
     """Where torch's flat ``index`` into parameter ``name`` is in the Flax layout."""
-    kind = dict((n, k) for n, _, k in self.layout)[name]
+    kind = {n: k for n, _, k in self.layout}[name]
     shape = self.torch_arrays("data")[name].shape
     positions = _from_torch(np.arange(int(np.prod(shape))).reshape(shape), kind).reshape(-1)
     return int(np.flatnonzero(positions == index)[0])
@@ -209,7 +210,7 @@ def _dense_layout(n_layers: int):
 
 def _torch_dense_stack(sizes: tuple[int, ...]) -> torch.nn.Sequential:
   layers: list[torch.nn.Module] = []
-  for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+  for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
     if i:
       layers.append(torch.nn.ReLU())
     layers.append(torch.nn.Linear(n_in, n_out))
@@ -255,8 +256,8 @@ def linear10(seed: int = 0, zero_loss: bool = False) -> Pair:
 
 
 def two_layer(seed: int = 1) -> Pair:
-  """``Linear(10, 16) -> ReLU -> Linear(16, 4)`` with an MSE loss."""
-  return _mse_pair("two_layer", (10, 16, 4), seed)
+  """``Linear(10, 10) -> ReLU -> Linear(10, 10)`` (the README's two-optimizer example)."""
+  return _mse_pair("two_layer", (10, 10, 10), seed)
 
 
 # ---------------------------------------------------------------------------------------
