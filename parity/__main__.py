@@ -44,11 +44,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
-def _require(module: str, why: str) -> None:
+def _require(module: str, why: str, package: str | None = None) -> None:
   try:
     importlib.import_module(module)
   except ImportError as error:
-    raise BadInput(f"{module} is not installed ({why}): {error}. {_INSTALL_HINT}") from None
+    name = package or module
+    raise BadInput(f"{name} is not installed ({why}): {error}. {_INSTALL_HINT}") from None
 
 
 def _check_writable(path: pathlib.Path, what: str) -> None:
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   try:
     _require("torch", "the reference side of every scenario")
-    _require("sklearn", "the digits data set")
+    _require("sklearn", "the digits data set", package="scikit-learn")
     from parity.scenarios import REGISTRY
 
     if args.list:
