@@ -11,6 +11,7 @@ from jaxamp._state_access import (
     scale_loss,
 )
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
+from jaxamp._train_step import apply_scaled_updates
 from jaxamp._unscale import all_finite, inverse_scale, unscale_and_check
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "GradScaler",
     "Optimizer",
     "all_finite",
+    "apply_scaled_updates",
     "dynamic_loss_scale",
     "find_loss_scale_state",
     "get_loss_scale",

@@ -1,0 +1,132 @@
+"""Bandwidth of jaxamp's unscale + finiteness pass on a GPU, against torch's kernel.
+
+One command on a GPU machine (jax[cuda12] and a CUDA torch installed):
+
+  PYTHONPATH=. python benchmarks/bench_gpu.py
+  PYTHONPATH=. python benchmarks/bench_gpu.py --peak-gbps 4800   # H200, if not detected
+
+It times ``jaxamp.unscale_and_check`` (jitted) and the check alone
+(``jaxamp.all_finite``) on a gradient tree, and torch's fused
+``torch._amp_foreach_non_finite_check_and_unscale_`` on the same tensors, and
+prints the achieved bandwidth (bytes read + written / time) against the
+device's peak memory bandwidth. The pass moves at least 2 bytes per gradient
+byte (read, write the unscaled copy); the check alone 1.
+
+On a machine without a GPU, ``--device cpu`` runs the same code small (it is a
+smoke test there: the CPU numbers are not the point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+# Peak memory bandwidth in GB/s by ``device_kind`` substring (vendor figures).
+PEAK_GBPS = {
+    "H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350,
+    "A100-SXM4-80GB": 2039, "A100 80GB": 1935, "A100": 1555, "L40S": 864,
+    "L4": 300, "A10G": 600, "V100": 900, "T4": 320, "RTX 4090": 1008,
+}
+
+
+def peak_for(kind: str, given: float | None) -> float | None:
+  if given:
+    return given
+  for key, value in PEAK_GBPS.items():
+    if key.lower() in kind.lower():
+      return value
+  return None
+
+
+def median_time(fn, repeats, inner):
+  fn()  # warm-up (and compile)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(inner):
+      out = fn()
+    times.append((time.perf_counter() - start) / inner)
+    del out
+  return statistics.median(times), min(times), max(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+  parser.add_argument("--params", type=int, default=None, help="default 250M on GPU, 1M on CPU")
+  parser.add_argument("--leaves", type=int, default=200)
+  parser.add_argument("--dtypes", default="f32,f16,bf16")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--inner", type=int, default=None, help="calls per timing (10 GPU, 1 CPU)")
+  parser.add_argument("--peak-gbps", type=float, default=None)
+  parser.add_argument("--no-torch", action="store_true")
+  args = parser.parse_args()
+  if args.device == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  n_params = args.params or (250_000_000 if args.device == "gpu" else 1_000_000)
+  inner = args.inner or (10 if args.device == "gpu" else 1)
+
+  import jax
+  import jax.numpy as jnp
+
+  import jaxamp
+
+  device = jax.devices(args.device)[0]
+  kind = getattr(device, "device_kind", str(device))
+  peak = peak_for(kind, args.peak_gbps)
+  print(f"# {kind} ({device.platform}), peak {peak or '?'} GB/s, {n_params:,} params in "
+        f"{args.leaves} leaves, median of {args.repeats} x {inner} calls")
+  print("| dtype | pass | median ms | min-max ms | GB/s | % of peak |")
+  print("|---|---|---:|---:|---:|---:|")
+  per_leaf = n_params // args.leaves
+  dtypes = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+  unscale = jax.jit(jaxamp.unscale_and_check)
+  check = jax.jit(jaxamp.all_finite)
+  for name in args.dtypes.split(","):
+    dtype = dtypes[name]
+    key = jax.random.key(0)
+    grads = [
+        jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (per_leaf,), dtype), device)
+        for i in range(args.leaves)
+    ]
+    scale = jax.device_put(jnp.float32(65536.0), device)
+    nbytes = sum(g.nbytes for g in grads)
+    rows = [
+        ("jaxamp unscale+check", 2, lambda: jax.block_until_ready(unscale(grads, scale))),
+        ("jaxamp check only", 1, lambda: jax.block_until_ready(check(grads))),
+    ]
+    if not args.no_torch:
+      import torch
+
+      tdev = "cuda" if args.device == "gpu" else "cpu"
+      tdtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]
+      tgrads = [torch.randn(per_leaf, dtype=tdtype, device=tdev) for _ in range(args.leaves)]
+      found = torch.zeros(1, device=tdev)
+      inv = torch.full((1,), 1.0 / 65536.0, device=tdev)
+
+      def torch_pass():
+        torch._amp_foreach_non_finite_check_and_unscale_(tgrads, found, inv)
+        if tdev == "cuda":
+          torch.cuda.synchronize()
+
+      rows.append(("torch _amp_foreach_..._unscale_", 2, torch_pass))
+    results = {}
+    for label, passes, fn in rows:
+      med, lo, hi = median_time(fn, args.repeats, inner)
+      results[label] = med
+      gbps = passes * nbytes / med / 1e9
+      share = f"{100 * gbps / peak:.0f}%" if peak else "?"
+      print(f"| {name} | {label} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} "
+            f"| {gbps:.0f} | {share} |", flush=True)
+    torch_label = "torch _amp_foreach_..._unscale_"
+    if torch_label in results:
+      ratio = results["jaxamp unscale+check"] / results[torch_label]
+      print(f"| {name} | jaxamp / torch time | {ratio:.2f} | | | |")
+
+
+if __name__ == "__main__":
+  main()
