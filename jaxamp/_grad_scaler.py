@@ -11,11 +11,18 @@ adds is torch's per-optimizer state machine (SPEC 2)::
       └──────────── step() (implicit unscale_) ────────┘
     update() combines every recorded found_inf into one backoff and resets all to READY
 
-The scaler is a JAX pytree: the scale, the growth tracker and the recorded
-found_inf flags are its array children; the hyperparameters (Python numbers,
-used exactly as float64, as torch does) and the stages are static. So a whole
+The scaler is a JAX pytree: the scale, the growth and hysteresis trackers, the
+update counters and the recorded found_inf flags are its array children; the
+hyperparameters and options (Python numbers, used exactly as float64, as torch
+does) and the stages are static. So a whole
 iteration runs inside one ``jax.jit``, the stage machine being checked while
 tracing, with no host synchronisation.
+
+The opt-in protections of :func:`~jaxamp.dynamic_loss_scale` (scale bounds,
+hysteresis, skip limit, unscale-overflow detection, counters, per-leaf
+diagnostic) are constructor options here too, computed by the same functions
+(:func:`~jaxamp._protections.update_loss_scale_with_options`), so the two
+give the same trajectory bit for bit. All off by default: torch's behaviour.
 """
 
 from __future__ import annotations
@@ -39,8 +46,13 @@ from jaxamp._checkpoint import (
   tracker_array,
 )
 from jaxamp._optimizer import Optimizer
-from jaxamp._scale_update import update_loss_scale
-from jaxamp._unscale import unscale_and_check
+from jaxamp._protections import (
+  check_protection_options,
+  check_skip_limit,
+  update_loss_scale_with_options,
+)
+from jaxamp._transform import _count_if
+from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
 from jaxamp._validation import check_hyperparameters
 
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -70,6 +82,26 @@ class _Record(NamedTuple):
 
   stage: _Stage
   found_inf: jax.Array | None
+
+
+class _Options(NamedTuple):
+  """The opt-in protections (static configuration; the defaults are torch)."""
+
+  min_loss_scale: float | None = None
+  max_loss_scale: float | None = None
+  hysteresis: int = 1
+  consecutive_hysteresis: bool = False
+  max_consecutive_skips: int | None = None
+  detect_unscale_overflow: bool = False
+
+
+class _Counters(NamedTuple):
+  """``update()`` calls so far, and those whose combined found_inf was set
+  (in total, and since the last clean one); int32, saturating."""
+
+  update_count: jax.Array
+  skipped: jax.Array
+  consecutive_skipped: jax.Array
 
 
 class _Unset:
@@ -119,6 +151,10 @@ def _python_number(name: str, value: Any, *, integer: bool = False) -> int | flo
   return value.item() if isinstance(value, np.generic) else value
 
 
+def _optional_number(name: str, value: Any, *, integer: bool = False) -> int | float | None:
+  return None if value is None else _python_number(name, value, integer=integer)
+
+
 def _is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
 
@@ -139,6 +175,30 @@ def _scale_array(value: Any, scale: jax.Array) -> jax.Array:
   if jnp.issubdtype(dtype, jnp.floating) and value.ndim > 0:
     return (value.astype(jnp.float32) * scale).astype(dtype)
   return value.astype(jnp.float32) * scale
+
+
+def _is_none(value: Any) -> bool:
+  return value is None
+
+
+def _per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:
+  """``flags`` (one per array leaf of ``grads``) as one per array leaf of
+  ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
+  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
+  param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
+  if grads_def != params_def:
+    return None
+  if all(g is not None and p is not None for g, p in zip(grad_leaves, param_leaves)):
+    return flags
+  per_position, flag_index = [], 0
+  for grad, param in zip(grad_leaves, param_leaves):
+    if grad is not None:
+      flag, flag_index = flags[flag_index], flag_index + 1
+    else:
+      flag = jnp.zeros([], bool)
+    if param is not None:
+      per_position.append(flag)
+  return jnp.stack(per_position) if per_position else jnp.zeros([0], bool)
 
 
 def _key_of(optimizer: Any) -> int:
@@ -239,13 +299,41 @@ class GradScaler:
     of a fresh scaler equal to a used one, so a jitted step compiles once.
   * There is no pickling guard and no fused-optimizer protocol.
 
+  The keyword-only options after ``enabled`` are not in torch; they are those
+  of :func:`~jaxamp.dynamic_loss_scale`, with the same semantics and
+  arithmetic, applied by ``update()`` to the found_inf combined over all
+  optimizers (``detect_unscale_overflow``: by ``unscale_``/``step``, per
+  optimizer). They are static configuration, not part of ``state_dict()``.
+  Whatever the options, the scaler counts its ``update()`` calls
+  (:attr:`update_count`, :attr:`skipped_updates`,
+  :attr:`consecutive_skipped_updates`, int32 arrays, no host read) and each
+  optimizer remembers which gradient leaves held inf/NaN
+  (:meth:`nonfinite_leaf_paths`).
+
   Args:
     init_scale: the initial scale, a finite positive Python number.
     growth_factor: multiplies the scale after ``growth_interval`` consecutive
       clean updates (> 1).
     backoff_factor: multiplies the scale on an update that found inf/NaN (in (0, 1)).
     growth_interval: clean updates before growing (an int; <= 0 never grows).
-    enabled: ``False`` makes every method a pass-through, as torch's.
+    enabled: ``False`` makes every method a pass-through, as torch's (the
+      options below are then ignored and not checked).
+    min_loss_scale: (not in torch) the scale never backs off below this (a
+      Python number, or ``None``: no bound).
+    max_loss_scale: (not in torch) the scale never grows above this.
+    hysteresis: (not in torch; DeepSpeed) overflowing updates tolerated before
+      a backoff (an int >= 1; 1 is torch). Every overflowing update resets the
+      growth tracker, and skips as always; it backs off only when
+      :attr:`hysteresis_tracker` is <= 1, else decrements it. The tracker
+      refills on a growth (with ``consecutive_hysteresis``, on every clean update).
+    consecutive_hysteresis: DeepSpeed's variant, see ``hysteresis``.
+    max_consecutive_skips: (not in torch) when this many ``update()`` calls in
+      a row found inf/NaN, the update (jitted or not) fails with a
+      ``RuntimeError`` naming the update and the scale (a host callback that
+      runs only then).
+    detect_unscale_overflow: (not in torch) an optimizer whose gradients
+      overflow while being unscaled (a bfloat16 ``3e38`` at scale 0.5) also
+      records inf and skips; torch misses it.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -268,11 +356,20 @@ class GradScaler:
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
     enabled: bool = True,
+    *,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float | None = None,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    max_consecutive_skips: int | None = None,
+    detect_unscale_overflow: bool = False,
   ):
     """Creates a scaler; see the class docstring."""
     self._enabled = bool(enabled)
     self._states: dict[int, _Record] = {}
     self._scaled = False
+    self._options = _Options()
+    self._hysteresis_tracker = self._counters = None
     if not self._enabled:
       self._init_scale, self._init_growth_tracker = 1.0, 0
       self._growth_factor = self._backoff_factor = self._growth_interval = _UNSET
@@ -291,8 +388,27 @@ class GradScaler:
     self._init_scale, self._init_growth_tracker = init_scale, 0
     self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
     self._growth_interval = growth_interval
+    check_protection_options(
+      init_scale=init_scale,
+      min_loss_scale=min_loss_scale,
+      max_loss_scale=max_loss_scale,
+      hysteresis=hysteresis,
+      max_consecutive_skips=max_consecutive_skips,
+    )
+    self._options = _Options(
+      min_loss_scale=_optional_number("min_loss_scale", min_loss_scale),
+      max_loss_scale=_optional_number("max_loss_scale", max_loss_scale),
+      hysteresis=_python_number("hysteresis", hysteresis, integer=True),
+      consecutive_hysteresis=bool(consecutive_hysteresis),
+      max_consecutive_skips=_optional_number(
+        "max_consecutive_skips", max_consecutive_skips, integer=True
+      ),
+      detect_unscale_overflow=bool(detect_unscale_overflow),
+    )
     self._scale = scale_array(init_scale)
     self._growth_tracker = tracker_array(0)
+    self._hysteresis_tracker = tracker_array(self._options.hysteresis)
+    self._counters = _Counters(tracker_array(0), tracker_array(0), tracker_array(0))
 
   # -- pytree -------------------------------------------------------------------
 
@@ -301,6 +417,8 @@ class GradScaler:
     children = (
       self._scale,
       self._growth_tracker,
+      self._hysteresis_tracker,
+      self._counters,
       tuple(self._states[k].found_inf for k in keys),
     )
     static = _Static(
@@ -311,6 +429,7 @@ class GradScaler:
         self._growth_factor,
         self._backoff_factor,
         self._growth_interval,
+        tuple(self._options),
         tuple((k, self._states[k].stage, self._states[k].found_inf is None) for k in keys),
       )
     )
@@ -326,9 +445,17 @@ class GradScaler:
       scaler._growth_factor,
       scaler._backoff_factor,
       scaler._growth_interval,
+      options,
       stages,
     ) = static.values
-    scaler._scale, scaler._growth_tracker, found_infs = children
+    scaler._options = _Options(*options)
+    (
+      scaler._scale,
+      scaler._growth_tracker,
+      scaler._hysteresis_tracker,
+      scaler._counters,
+      found_infs,
+    ) = children
     scaler._states = {
       key: _Record(stage, None if no_check else found_inf)
       for (key, stage, no_check), found_inf in zip(stages, found_infs)
@@ -383,11 +510,22 @@ class GradScaler:
     return result
 
   def _unscaled(self, optimizer: Optimizer) -> tuple[Any, jax.Array | None]:
-    """``optimizer``'s grads unscaled, and its found_inf (None: no grads)."""
+    """``optimizer``'s grads unscaled, and its found_inf (None: no grads).
+
+    Also records, in ``optimizer.nonfinite_leaves``, which leaves held inf/NaN
+    when found_inf is set (call it only where the call then succeeds).
+    """
     grads = optimizer.grads
     if grads is None or not jax.tree.leaves(grads):
       return grads, None
-    return unscale_and_check(grads, self._scale)
+    unscaled, finite = unscale_and_check_leaves(grads, self._scale)
+    if self._options.detect_unscale_overflow:
+      finite = finite & leaf_finite_flags(unscaled)
+    found_inf = ~jnp.all(finite)
+    nonfinite = _per_param_leaf(grads, optimizer.params, ~finite)
+    if nonfinite is not None and optimizer.nonfinite_leaves is not None:
+      optimizer.nonfinite_leaves = jnp.where(found_inf, nonfinite, optimizer.nonfinite_leaves)
+    return unscaled, found_inf
 
   def unscale_(self, optimizer: Optimizer) -> None:
     """Unscales ``optimizer.grads`` in place and records whether they held inf/NaN.
@@ -458,15 +596,20 @@ class GradScaler:
 
     One backoff if any optimizer recorded inf/NaN (however many did), else one
     step towards growth, by :func:`~jaxamp.update_loss_scale` (torch's
-    ``_amp_update_scale_``, bit for bit). ``new_scale`` sets the scale instead,
-    leaving the growth tracker as it is and ignoring the flags.
+    ``_amp_update_scale_``, bit for bit), with the scaler's options applied as
+    in :func:`~jaxamp.dynamic_loss_scale`; the counters advance. ``new_scale``
+    sets the scale instead, as given (not clamped: the bounds apply from the
+    next ``update()``), ignoring the flags and leaving the growth tracker, the
+    hysteresis tracker and the counters as they are.
 
     Args:
       new_scale: ``None``, or a finite float / 0-dim floating-point array.
 
     Raises:
       RuntimeError: before any ``scale()``; no ``unscale_``/``step`` recorded
-        an inf check since the last update; a ``new_scale`` beyond float32.
+        an inf check since the last update; a ``new_scale`` beyond float32;
+        ``max_consecutive_skips`` reached (from the computation, under ``jit``
+        when the jitted function runs; outside ``jit`` nothing is changed).
       TypeError, ValueError: a ``new_scale`` of the wrong kind or not finite.
     """
     if not self._enabled:
@@ -480,16 +623,90 @@ class GradScaler:
     if not found_infs:
       raise RuntimeError(_NO_CHECKS_UPDATE)
     found_inf = functools.reduce(jnp.logical_or, found_infs)
-    self._scale, self._growth_tracker = update_loss_scale(
+    options = self._options
+    scale, growth_tracker, hysteresis_tracker = update_loss_scale_with_options(
       self._scale,
       self._growth_tracker,
+      self._hysteresis_tracker,
       found_inf,
       growth_factor=self._growth_factor,
       backoff_factor=self._backoff_factor,
       growth_interval=self._growth_interval,
+      min_loss_scale=options.min_loss_scale,
+      max_loss_scale=options.max_loss_scale,
+      hysteresis=options.hysteresis,
+      consecutive_hysteresis=options.consecutive_hysteresis,
     )
+    counters = self._counters
+    counters = _Counters(
+      update_count=_count_if(True, counters.update_count),
+      skipped=_count_if(found_inf, counters.skipped),
+      consecutive_skipped=jnp.where(found_inf, _count_if(True, counters.consecutive_skipped), 0),
+    )
+    if options.max_consecutive_skips is not None:
+      check_skip_limit(
+        counters.consecutive_skipped, counters.update_count, scale, options.max_consecutive_skips
+      )
+    self._scale, self._growth_tracker = scale, growth_tracker
+    self._hysteresis_tracker, self._counters = hysteresis_tracker, counters
     self._states = {}
     return
+
+  # -- counters and diagnostics (not in torch) --------------------------------------
+
+  def _counter(self, name: str) -> jax.Array:
+    if not self._enabled:
+      return tracker_array(0)
+    return getattr(self._counters, name)
+
+  @property
+  def update_count(self) -> jax.Array:
+    """``update()`` calls that applied the rule (not ``update(new_scale)``), int32 ``[]``."""
+    return self._counter("update_count")
+
+  @property
+  def skipped_updates(self) -> jax.Array:
+    """``update()`` calls whose combined found_inf was set, int32 ``[]`` (saturating).
+
+    A device array: reading it does not synchronise; ``int()`` of it does.
+    """
+    return self._counter("skipped")
+
+  @property
+  def consecutive_skipped_updates(self) -> jax.Array:
+    """Such ``update()`` calls since the last clean one, int32 ``[]``; the count
+    ``max_consecutive_skips`` is checked against."""
+    return self._counter("consecutive_skipped")
+
+  @property
+  def hysteresis_tracker(self) -> jax.Array:
+    """Overflowing updates still tolerated before a backoff, int32 ``[]``
+    (always 1 with ``hysteresis=1``, torch's rule)."""
+    if not self._enabled:
+      return tracker_array(1)
+    return self._hysteresis_tracker
+
+  def nonfinite_leaf_paths(self, optimizer: Optimizer) -> list[str]:
+    """Names (tree paths in ``optimizer.params``) of the gradient leaves that
+    held inf/NaN the last time this scaler found inf/NaN in ``optimizer``'s
+    gradients (so the last time its step was skipped); ``[]`` if never.
+
+    A host read: call it outside ``jit``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> scaler = jaxamp.GradScaler()
+      >>> opt = jaxamp.Optimizer(optax.sgd(0.1), {"w": jnp.ones(2), "b": jnp.ones(2)})
+      >>> _ = scaler.scale(jnp.float32(1.0))
+      >>> opt.grads = {"w": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}
+      >>> scaler.step(opt)
+      >>> scaler.nonfinite_leaf_paths(opt)
+      ["['b']"]
+    """
+    _key_of(optimizer)
+    flags = np.asarray(optimizer.nonfinite_leaves)
+    paths = jax.tree_util.tree_flatten_with_path(optimizer.params)[0]
+    return [jax.tree_util.keystr(path) for (path, _), flag in zip(paths, flags) if flag]
 
   # -- getters and setters --------------------------------------------------------
 

@@ -6,7 +6,8 @@ through the optimizer. JAX has no such object, so this handle bundles the four
 things those calls need: an optax transformation, its parameters, its state,
 and the current gradients.
 
-It is a JAX pytree (``params``, ``opt_state`` and ``grads`` are its children;
+It is a JAX pytree (``params``, ``opt_state``, ``grads`` and
+``nonfinite_leaves`` are its children;
 the transformation is static), so it can be passed to and returned from a
 jitted function. Its methods change the Python object in place, as torch does;
 inside ``jit`` they change the traced copy, which the function returns.
@@ -46,6 +47,11 @@ class Optimizer:
     params: the parameter tree.
     opt_state: ``tx``'s state.
     grads: the current gradients, a tree like ``params``, or ``None``.
+    nonfinite_leaves: for each leaf of ``params`` (``jax.tree.leaves`` order),
+      whether its gradient held inf/NaN the last time a ``jaxamp.GradScaler``
+      found inf/NaN in ``grads``, bool ``[n_leaves]``; read it with
+      ``scaler.nonfinite_leaf_paths(opt)``. Not recorded for gradients whose
+      tree differs from ``params``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -74,6 +80,7 @@ class Optimizer:
     self.params = params
     self.opt_state = tx.init(params) if opt_state is None else opt_state
     self.grads = jax.tree.map(jax.numpy.zeros_like, params) if grads is None else grads
+    self.nonfinite_leaves = jax.numpy.zeros([len(jax.tree.leaves(params))], bool)
     self._key = next(_KEYS)
 
   def zero_grad(self) -> None:
@@ -101,13 +108,13 @@ class Optimizer:
     return
 
   def tree_flatten(self):
-    return (self.params, self.opt_state, self.grads), (self.tx, self._key)
+    return (self.params, self.opt_state, self.grads, self.nonfinite_leaves), (self.tx, self._key)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     optimizer = object.__new__(cls)
     optimizer.tx, optimizer._key = aux
-    optimizer.params, optimizer.opt_state, optimizer.grads = children
+    optimizer.params, optimizer.opt_state, optimizer.grads, optimizer.nonfinite_leaves = children
     return optimizer
 
   def __repr__(self) -> str:
