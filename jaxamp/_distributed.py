@@ -23,7 +23,7 @@ def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _check_replicated(state: Any, axis_names: tuple[str, ...]) -> None:
-  for field in ("loss_scale", "growth_tracker"):
+  for field in ("loss_scale", "growth_tracker", "hysteresis_tracker", "update_count"):
     value = getattr(state, field)
     varying = set(varying_axes(value)) & set(axis_names)
     if varying:
