@@ -231,6 +231,8 @@ class GradScalerDriver:
     sc = self.scenario
     for opt in self.optimizers:
       opt.zero_grad()
+    for name, value in sc.setters.get(step, {}).items():
+      getattr(self.scaler, f"set_{name}")(value)
     params = self._full_params()
     grads, losses = None, []
     for micro in range(sc.accumulate):

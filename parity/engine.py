@@ -114,6 +114,8 @@ class TorchRun:
     sc, scaler = self.scenario, self.scaler
     for opt in self.optimizers:
       opt.zero_grad(set_to_none=True)
+    for name, value in sc.setters.get(step, {}).items():
+      getattr(scaler, f"set_{name}")(value)
     losses = []
     for micro in range(sc.accumulate):
       loss = self.pair.torch_loss(

@@ -46,6 +46,7 @@ class Scenario:
     explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
     late_inject: as ``inject``, but written after ``unscale_`` (not re-checked).
     unstepped: ``{step: (optimizer index, ...)}`` whose ``step`` is not called.
+    setters: ``{step: {"growth_factor": x, ...}}``: ``scaler.set_<name>(x)`` before it.
     new_scale: ``{step: value}``: ``update(new_scale=value)`` at that step.
     initial_tracker: a growth tracker loaded before the first step.
     accumulate: micro-batches whose scaled gradients are summed per step.
@@ -70,6 +71,7 @@ class Scenario:
   explicit_unscale: bool = False
   late_inject: dict = dataclasses.field(default_factory=dict)
   unstepped: dict = dataclasses.field(default_factory=dict)
+  setters: dict = dataclasses.field(default_factory=dict)
   new_scale: dict = dataclasses.field(default_factory=dict)
   initial_tracker: int | None = None
   accumulate: int = 1
@@ -390,6 +392,14 @@ SCENARIOS: list[Scenario] = [
         "and the update counts it clean.",
         models.linear10, steps=3, scaler=_factors(4.0, 2.0, 0.5, 2000), explicit_unscale=True,
         late_inject=_at([1], INF, "0.weight", 12), spec=(28,), apis=("grad_scaler",),
+    ),
+    Scenario(
+        "linear_setters_unvalidated",
+        "SPEC 53: interval 1, set_growth_factor(0.5) and set_backoff_factor(4.0) before "
+        "step 0 (setters are not range-checked), inf at steps 2 and 3: scale 2, 1, 4, 16.",
+        models.linear10, steps=5, scaler=_factors(4.0, 2.0, 0.5, 1),
+        setters={0: {"growth_factor": 0.5, "backoff_factor": 4.0}},
+        inject=_at([2, 3], INF), spec=(53,), apis=("grad_scaler",),
     ),
 ]
 

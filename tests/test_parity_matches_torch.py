@@ -52,7 +52,7 @@ def test_parity_scenario_matches_torch(scenario, api):
 def test_parity_registry_covers_every_required_piece():
   by_name = scenarios.REGISTRY
   covered = {n for s in scenarios.SCENARIOS for n in s.spec}
-  assert {7, 8, 9, 10, 11, 12, 13, 18, 26, 27, 29, 32, 33, 35, 43, 44, 55, 59} <= covered
+  assert {7, 8, 9, 10, 11, 12, 13, 18, 26, 27, 28, 29, 30, 32, 33, 35, 43, 44, 53, 54, 55, 59} <= covered
   kinds = {o.kind for s in scenarios.SCENARIOS for o in s.optimizers}
   momentum = any(o.momentum for s in scenarios.SCENARIOS for o in s.optimizers)
   assert kinds == {"sgd", "adam", "adamw"} and momentum
@@ -83,6 +83,12 @@ def test_parity_torch_side_reproduces_spec_growth_cap():
       1.7014118346046923e38, 1.7014118346046923e38,
   ]
   assert result.passed, result.failures
+
+
+def test_parity_torch_side_reproduces_spec_unvalidated_setters():
+  result = _run("linear_setters_unvalidated", "grad_scaler")
+  assert result.curves["torch_scale"][:4] == [2.0, 1.0, 4.0, 16.0]
+  assert result.curves["jax_scale"] == result.curves["torch_scale"]
 
 
 # ---------------------------------------------------------------------------------------
