@@ -174,6 +174,24 @@ def multiply_exact(x, factor):
   return _multiply(x, _unpack_factor(factor))
 
 
+def multiply_exact_either(x, use_first, first, second):
+  """``multiply_exact(x, first if use_first else second)`` with one product.
+
+  Both factors are unpacked and the operand selected before the (scalar but
+  long) exact multiplication, so a program holds one copy of it, not two.
+  """
+  a, b = _unpack_factor(first), _unpack_factor(second)
+  pick = lambda u, v: jnp.where(use_first, u, v)
+  chosen = _Unpacked(
+      pick(a.sign, b.sign),
+      [pick(u, v) for u, v in zip(a.limbs + [0] * 3, b.limbs + [0] * 3)][:5],
+      pick(a.exponent, b.exponent),
+      pick(a.is_inf, b.is_inf),
+      pick(a.is_nan, b.is_nan),
+  )
+  return _multiply(x, chosen)
+
+
 def multiply_by_f64_words(x, hi, lo):
   """``multiply_exact`` with the float64 factor given as int32 high/low words.
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._exact import multiply_exact
+from jaxamp._exact import multiply_exact_either
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -78,10 +78,9 @@ def update_loss_scale(
   else:
     reaches_interval = successful == jnp.asarray(growth_interval).astype(jnp.int32)
   grow = ~found & reaches_interval
-  grown = multiply_exact(loss_scale, growth_factor)
-  backed_off = multiply_exact(loss_scale, backoff_factor)
+  product = multiply_exact_either(loss_scale, found, backoff_factor, growth_factor)
   new_scale = jnp.where(
-      found, backed_off, jnp.where(grow & jnp.isfinite(grown), grown, loss_scale)
+      found, product, jnp.where(grow & jnp.isfinite(product), product, loss_scale)
   )
   new_tracker = jnp.where(found | grow, jnp.int32(0), successful)
   return new_scale, new_tracker

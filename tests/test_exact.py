@@ -156,3 +156,18 @@ def test_multiply_exact_in_x64_mode_with_float64_factor():
       result = jax.jit(multiply_exact)(scale, factor)
       assert result.dtype == jnp.float32 and result.shape == ()
       assert float(result) == 2.3343682289123535  # torch (SPEC 5.4)
+
+
+def test_multiply_exact_either_selects_the_factor_before_multiplying():
+  from jaxamp._exact import multiply_exact_either
+
+  rng = np.random.default_rng(11)
+  scales = rng.uniform(1e-30, 1e30, 500).astype(np.float32)
+  for first, second in ((0.3, 1.5), (0.5, 2.0), (1e39, 1.1), (jnp.float32(0.3), 1.5)):
+    for use_first in (True, False):
+      either = jax.jit(
+          jax.vmap(lambda s: multiply_exact_either(s, jnp.bool_(use_first), first, second))
+      )(scales)
+      factor = first if use_first else second
+      direct = jax.jit(jax.vmap(lambda s: multiply_exact(s, factor)))(scales)
+      assert np.asarray(either).tobytes() == np.asarray(direct).tobytes()
