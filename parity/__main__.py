@@ -147,4 +147,8 @@ def _run(args, selected) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except BrokenPipeError:  # e.g. python -m parity | head
+    sys.stderr.close()
+    sys.exit(1)
