@@ -2,6 +2,7 @@
 can express it, against torch run live; plus checks that the comparisons can
 fail, and the CLI's bad-input messages."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -237,3 +238,29 @@ def test_parity_script_runs_python_m_parity():
   assert script.startswith("#!/usr/bin/env bash\n")
   assert 'source "$(dirname "$0")/_venv.sh" parity\n' in script
   assert script.rstrip().endswith('exec .venv/bin/python -m parity "$@"')
+
+
+def test_parity_flush_to_zero_model_explains_only_subnormal_differences():
+  scaled = np.array([1e-40, 3e-39, 2.0, -5e-39], np.float32)
+  scale = np.float32(2.0**-115)
+  inv = np.float32(2.0**115)
+  torch_like = (scaled * inv).astype(np.float32)  # torch keeps subnormal inputs
+  jax_like = np.array([0.0, 0.0, 2.0 * 2.0**115, -0.0], np.float32)
+  assert engine._explained_by_flush(jax_like, torch_like, scaled, scale)
+  # A difference at a normal element is not explained by flushing.
+  wrong = jax_like.copy()
+  wrong[2] = np.nextafter(wrong[2], np.float32(0))
+  assert not engine._explained_by_flush(wrong, torch_like, scaled, scale)
+  # Nor is a flushed value where jaxamp should have kept torch's bits.
+  assert not engine._explained_by_flush(jax_like, torch_like, scaled, np.float32(1.0))
+
+
+def test_parity_subnormal_scenarios_are_flagged_not_hidden():
+  for name in ("linear_backoff_to_zero", "vector_subnormal_scale"):
+    result = engine.run(scenarios.REGISTRY[name], "optax")
+    assert result.passed and result.scale_match and result.skips_match
+    assert result.flushed_elements > 0
+  # Without the flag, the same run fails on the unscaled bits.
+  plain = dataclasses.replace(scenarios.REGISTRY["vector_subnormal_scale"], subnormals=False)
+  result = engine.run(plain, "optax")
+  assert not result.passed and result.unscale_bits_match is False
