@@ -3,13 +3,12 @@ import pathlib
 
 import pytest
 
-REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "torch_reference"
+HERE = pathlib.Path(__file__).resolve().parent
+FIXTURES = HERE / "data" / "torch_fixtures.json"  # copy of shared/torch_reference/fixtures.json
+SHARED_FIXTURES = HERE.parents[1] / "shared" / "torch_reference" / "fixtures.json"
 
 
 @pytest.fixture(scope="session")
 def torch_fixtures():
   """The exact torch trajectories of ``shared/torch_reference/fixtures.json``."""
-  path = REFERENCE / "fixtures.json"
-  if not path.exists():
-    pytest.fail(f"torch reference fixtures not found at {path}")
-  return {f["name"]: f for f in json.loads(path.read_text())}
+  return {f["name"]: f for f in json.loads(FIXTURES.read_text())}

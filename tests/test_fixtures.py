@@ -128,3 +128,11 @@ def _check_optimizer_state(optimizer, inner_state, torch_state, rtol):
       assert not np.any(np.asarray(trace))
     else:
       np.testing.assert_allclose(trace, torch_state["momentum_buffer"], rtol=rtol)
+
+
+def test_vendored_fixtures_equal_the_shared_torch_reference():
+  from conftest import FIXTURES, SHARED_FIXTURES
+
+  if not SHARED_FIXTURES.exists():
+    pytest.skip(f"no shared torch reference at {SHARED_FIXTURES} to compare the copy with")
+  assert FIXTURES.read_bytes() == SHARED_FIXTURES.read_bytes()
