@@ -1,5 +1,5 @@
 # Sourced by the scripts: creates .venv (once) and installs jaxamp with the
-# given extra into it. Python 3.10+ must be on PATH as python3.
+# given extra into it. Python 3.11+ must be on PATH as python3.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
