@@ -23,8 +23,6 @@ import os
 import statistics
 import time
 
-import numpy as np
-
 # Peak memory bandwidth in GB/s by ``device_kind`` substring (vendor figures).
 PEAK_GBPS = {
     "H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350,

@@ -36,10 +36,9 @@ import statistics
 import time
 import traceback
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 

@@ -10,8 +10,8 @@ from jaxamp._state_access import (
     nonfinite_leaf_paths,
     scale_loss,
 )
-from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
 from jaxamp._train_step import apply_scaled_updates
+from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
 from jaxamp._unscale import all_finite, inverse_scale, unscale_and_check
 
 __version__ = "0.1.0"

@@ -15,9 +15,8 @@ It is scalar work, done once per step.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _LIMB_BITS = 12

@@ -15,7 +15,6 @@ from jaxamp._state_access import find_loss_scale_state
 from jaxamp._unscale import known_flags, leaf_finite_flags
 from jaxamp._validation import check_float_gradients, check_same_structure
 
-
 _NOT_AS_GIVEN = (
     "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
     "the gradients as given (a transformation in front of it, or optax.MultiSteps "

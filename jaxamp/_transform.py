@@ -11,16 +11,16 @@ from jax import lax
 
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._protections import (
-    check_protection_options,
-    check_skip_limit,
-    update_loss_scale_with_options,
+  check_protection_options,
+  check_skip_limit,
+  update_loss_scale_with_options,
 )
 from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
 from jaxamp._validation import (
-    check_float_gradients,
-    check_leaf_count,
-    check_hyperparameters,
-    check_same_structure,
+  check_float_gradients,
+  check_hyperparameters,
+  check_leaf_count,
+  check_same_structure,
 )
 
 

@@ -66,7 +66,7 @@ def test_flax_docs_code_blocks_run(capsys):
   blocks = _python_blocks(docs)
   assert len(blocks) == 3
   for block in blocks:
-    exec(compile(block, "docs/flax.md", "exec"), {})  # noqa: S102 (the docs' own code)
+    exec(compile(block, "docs/flax.md", "exec"), {})
   printed = capsys.readouterr().out.split("\n")
   # each loop prints "<loss> 65536.0 0": three steps at the default scale, none skipped
   assert [line.split()[1:] for line in printed if line] == [["65536.0", "0"]] * 2
