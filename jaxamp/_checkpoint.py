@@ -31,10 +31,9 @@ import numpy as np
 
 from jaxamp._state_access import _array, _opt_state_of, find_loss_scale_state
 from jaxamp._transform import DynamicLossScaleState
+from jaxamp._validation import FLT_MAX, INT32_MAX, INT32_MIN
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_FLT_MAX = float(np.finfo(np.float32).max)
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 EMPTY_STATE_DICT_MESSAGE = (
@@ -97,7 +96,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
       f"{list(STATE_DICT_KEYS)}; nothing was loaded."
     )
   scale = _real("scale", state_dict["scale"])
-  if math.isfinite(scale) and abs(scale) > _FLT_MAX:
+  if math.isfinite(scale) and abs(scale) > FLT_MAX:
     raise RuntimeError(
       f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
       "range; nothing was loaded)"
@@ -116,8 +115,8 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
     "_growth_tracker": _integer(
       "_growth_tracker",
       state_dict["_growth_tracker"],
-      _INT32_MIN,
-      _INT32_MAX,
+      INT32_MIN,
+      INT32_MAX,
       INT_OVERFLOW_MESSAGE,
     ),
   }

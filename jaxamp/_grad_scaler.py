@@ -53,9 +53,7 @@ from jaxamp._protections import (
 )
 from jaxamp._transform import _count_if
 from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
-from jaxamp._validation import check_hyperparameters
-
-_FLT_MAX = float(np.finfo(np.float32).max)
+from jaxamp._validation import FLT_MAX, check_hyperparameters
 
 # torch's messages (SPEC 4), raised as RuntimeError where torch asserts.
 _NOT_SCALED = (
@@ -237,7 +235,7 @@ def _checked_new_scale(new_scale: Any) -> jax.Array:
       "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
       f"{type(new_scale).__name__}. The scaler is unchanged."
     )
-  if math.isfinite(value) and abs(value) > _FLT_MAX:
+  if math.isfinite(value) and abs(value) > FLT_MAX:
     raise RuntimeError(
       f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: new_scale={value!r}; the scaler is unchanged)"
     )

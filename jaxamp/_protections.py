@@ -17,9 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._scale_update import update_loss_scale
-from jaxamp._validation import check_hyperparameter_dtype, concrete_value
-
-_FLT_MAX = float(np.finfo(np.float32).max)
+from jaxamp._validation import FLT_MAX, check_hyperparameter_dtype, concrete_value
 
 
 def check_protection_options(
@@ -38,7 +36,7 @@ def check_protection_options(
   ):
     check_hyperparameter_dtype(name, option)
     if value is not None and not (
-        isinstance(value, numbers.Real) and 0 < value <= _FLT_MAX and np.float32(value) > 0
+        isinstance(value, numbers.Real) and 0 < value <= FLT_MAX and np.float32(value) > 0
     ):
       raise ValueError(
           f"jaxamp: {name} must be a finite positive float32 number, got {value!r}."

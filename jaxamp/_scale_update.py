@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp._exact import multiply_exact_either
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+from jaxamp._validation import INT32_MAX, INT32_MIN
 
 
 def _is_nonzero(x: jax.Array) -> jax.Array:
@@ -72,7 +71,7 @@ def update_loss_scale(
   found = _is_nonzero(jnp.asarray(found_inf))
   successful = growth_tracker + jnp.int32(1)  # wraps like torch's int32
   if isinstance(growth_interval, numbers.Integral) and not (
-      _INT32_MIN <= growth_interval <= _INT32_MAX
+      INT32_MIN <= growth_interval <= INT32_MAX
   ):
     reaches_interval = jnp.zeros([], bool)  # an int32 tracker never equals it
   else:

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 _LOW_PRECISION = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_FLT_MAX = float(np.finfo(np.float32).max)
+FLT_MAX = float(np.finfo(np.float32).max)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _is_none(x: Any) -> bool:
@@ -105,7 +106,7 @@ def check_hyperparameters(
   if scale is not None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
       raise TypeError(f"jaxamp: init_scale must be a real number, got {scale!r}.")
-    if math.isfinite(scale) and abs(scale) > _FLT_MAX:
+    if math.isfinite(scale) and abs(scale) > FLT_MAX:
       raise ValueError(
           "value cannot be converted to type float without overflow "
           f"(jaxamp: init_scale={scale!r} is larger than the float32 maximum)"

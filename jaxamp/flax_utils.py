@@ -37,15 +37,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxamp._state_access import find_loss_scale_state, get_loss_scale
+from jaxamp._state_access import _array, find_loss_scale_state, get_loss_scale
 
 _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
-
-
-def _value(field: Any) -> jax.Array:
-  """The array in a state field, unwrapping an ``nnx`` variable if present."""
-  (leaf,) = jax.tree.leaves(field)
-  return leaf
 
 
 def _check_loss(loss: Any, has_aux: bool) -> None:
@@ -224,8 +218,8 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
   """
   state = find_loss_scale_state(opt_state_or_optimizer)
   return {
-    "loss_scale": _value(state.loss_scale),
-    "skipped": _value(state.found_inf),
-    "skipped_steps": _value(state.skipped_steps),
-    "consecutive_skipped_steps": _value(state.consecutive_skipped_steps),
+    "loss_scale": _array(state.loss_scale),
+    "skipped": _array(state.found_inf),
+    "skipped_steps": _array(state.skipped_steps),
+    "consecutive_skipped_steps": _array(state.consecutive_skipped_steps),
   }
