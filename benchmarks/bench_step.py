@@ -20,7 +20,12 @@ Contenders (``--contenders``, comma separated):
   torch_foreach   torch GradScaler + Adam(foreach=True), CPU
   torch_fused     torch GradScaler + Adam(fused=True), CPU
 
-Params, optimizer state and (for JAX) the step's outputs are donated. Each
+Params and optimizer state are donated, in the order the step returns them:
+``step(params, opt_state, grads) -> (params, opt_state)``. JAX pairs each
+donated input with the first output of the same shape and dtype, in order;
+donating ``(grads, opt_state, params)`` to a step returning ``(params,
+opt_state)`` pairs the params' output with Adam's ``mu`` buffer and so on
+around, and XLA then copies every buffer (a 5x slower plain Adam step here). Each
 configuration is run with finite gradients and, for the contenders that can
 skip, with one inf in the gradients (``skip`` rows; the ratio is still to the
 finite plain-adam step). A contender whose compile exceeds ``--compile-budget``
@@ -116,7 +121,7 @@ def _flat_jaxamp_step(grads, state, params, tx):
 
 
 def build_jax(name, params, grads):
-  """Returns ``(step, params, state, grads)`` with step = compiled (g, s, p) -> (p, s)."""
+  """Returns ``(step, params, state, grads)`` with step = jitted (p, s, g) -> (p, s)."""
   adam = optax.adam(LR)
   if name in ("adam_flat", "jaxamp_flat"):
     params = ravel_pytree(params)[0]
@@ -138,7 +143,10 @@ def build_jax(name, params, grads):
     fn, state = _adam_step, tx.init(params)
   else:
     raise ValueError(name)
-  step = jax.jit(lambda g, s, p: fn(g, s, p, tx), donate_argnums=(1, 2))
+  # (params, state, grads) -> (params, state): JAX pairs each donated input
+  # with the first output of the same shape, in order, so the donated
+  # arguments come in the order of the outputs (see the module docstring).
+  step = jax.jit(lambda p, s, g: fn(g, s, p, tx), donate_argnums=(0, 1))
   return step, params, state, grads
 
 
@@ -196,7 +204,7 @@ def run_config(size, grad_dtype, contenders, repeats, budget):
     try:
       step, p, s, g = build_jax(name, [jnp.array(x) for x in params], grads)
       start = time.perf_counter()
-      compiled = step.lower(g[0], s, p).compile()
+      compiled = step.lower(p, s, g[0]).compile()
       compile_s = time.perf_counter() - start
       print(f"  {size} {grad_dtype} {name}: compiled in {compile_s:.1f} s", flush=True)
       if compile_s > budget:
@@ -217,7 +225,7 @@ def run_config(size, grad_dtype, contenders, repeats, budget):
         continue
       compiled, p, s, g, _ = runner
       start = time.perf_counter()
-      p, s = compiled(g[which], s, p)
+      p, s = compiled(p, s, g[which])
       jax.block_until_ready((p, s))
       ts.append(time.perf_counter() - start)
       runner[1], runner[2] = p, s

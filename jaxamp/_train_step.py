@@ -12,7 +12,7 @@ from jax import lax
 
 from jaxamp._distributed import all_reduce_found_inf
 from jaxamp._state_access import find_loss_scale_state
-from jaxamp._unscale import known_flags, leaf_finite_flags
+from jaxamp._unscale import known_flags, leaf_finite_flags, rounded, runtime_zero
 from jaxamp._validation import check_float_gradients, check_same_structure
 
 _NOT_AS_GIVEN = (
@@ -20,19 +20,6 @@ _NOT_AS_GIVEN = (
     "the gradients as given (a transformation in front of it, or optax.MultiSteps "
     "around it). Call tx.update and optax.apply_updates instead."
 )
-_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def rounded(x: Any, zero: jax.Array) -> Any:
-  """``x`` unchanged, as a value XLA and LLVM cannot fuse into an FMA
-  (``zero`` must be a runtime int32 zero)."""
-  if x is None:
-    return None
-  bits = _BITS[x.dtype.itemsize]
-  return lax.bitcast_convert_type(
-      lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype
-  )
-
 
 def apply_scaled_updates(
     tx: optax.GradientTransformation,
@@ -105,30 +92,33 @@ def apply_scaled_updates(
   flags = leaf_finite_flags(grads)
   if axis_name is not None:
     flags = ~all_reduce_found_inf(~flags, scale_state, axis_name)
+  found_inf = ~jnp.all(flags)
   uses = []
 
-  def update(known, finish=None):
-    with known_flags(grads, known, finish) as substituted:
+  def update(params, opt_state, known, found, finish=None):
+    with known_flags(grads, known, found, finish) as substituted:
       updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     uses.append(substituted.uses)
     return updates, new_state
 
-  def skip():
-    _, new_state = update(flags)
+  def skip(params, opt_state):
+    # found_inf is a constant here, so XLA drops the transform's own lax.cond.
+    _, new_state = update(params, opt_state, flags, True)
     return params, new_state
 
-  def apply():
+  def apply(params, opt_state):
     # XLA CPU contracts a * b + c into an FMA inside a fusion, where tx.update
     # then apply_updates rounds the materialised unscaled grads and updates
     # first. XOR-ing their bits with a runtime zero keeps those roundings, bit
     # for bit, and costs no memory pass.
-    zero = (~jnp.all(flags)).astype(jnp.int32)
-    finish = functools.partial(rounded, zero=zero)
-    updates, new_state = update(jnp.ones(flags.shape, bool), finish)
+    finish = functools.partial(rounded, zero=runtime_zero(scale_state.loss_scale))
+    updates, new_state = update(params, opt_state, jnp.ones(flags.shape, bool), False, finish)
     updates = jax.tree.map(finish, updates)
     return optax.apply_updates(params, updates), new_state
 
-  new_params, new_state = lax.cond(~jnp.all(flags), skip, apply)
+  # params and opt_state are the branches' operands, so a donated buffer is
+  # updated in place, and a skipped step leaves it untouched without a copy.
+  new_params, new_state = lax.cond(~found_inf, apply, skip, params, opt_state)
   if uses and all(n == 1 for n in uses):  # both branches (one under disable_jit)
     return new_params, new_state
   if not any(uses):  # a disabled scaler checks nothing and never skips

@@ -15,7 +15,7 @@ from jaxamp._protections import (
   check_skip_limit,
   update_loss_scale_with_options,
 )
-from jaxamp._unscale import leaf_finite_flags, unscale_and_check_leaves
+from jaxamp._unscale import known_for, leaf_finite_flags, rounded, runtime_zero, unscale
 from jaxamp._validation import (
   check_float_gradients,
   check_hyperparameters,
@@ -66,9 +66,9 @@ def _like(value: jax.Array, template: Any) -> jax.Array:
   return lax.pcast(value, missing, to="varying") if missing else value
 
 
-def _skipped_step(unscaled_step, inner_state):
-  """Zero updates and the untouched inner state, typed as ``unscaled_step``'s output."""
-  updates_out, state_out = jax.eval_shape(unscaled_step)
+def _skipped_step(applied_step, grads, inner_state, params):
+  """Zero updates and the untouched inner state, typed as ``applied_step``'s output."""
+  updates_out, state_out = jax.eval_shape(applied_step, grads, inner_state, params)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_out)
   return (
       jax.tree.map(_like, zeros, updates_out),
@@ -202,20 +202,38 @@ def dynamic_loss_scale(
       return new_updates, state._replace(inner_state=inner_state)
 
     check_leaf_count(updates, state.nonfinite_leaves)
-    unscaled, finite = unscale_and_check_leaves(updates, state.loss_scale)
+    known = known_for(updates)
+    finite = leaf_finite_flags(updates) if known is None else known.flags
+    unscaled = None
     if detect_unscale_overflow:
+      unscaled = unscale(updates, state.loss_scale)
       finite = finite & leaf_finite_flags(unscaled)
     nonfinite = ~finite
     if axis_name is not None:
       nonfinite = all_reduce_found_inf(nonfinite, state, axis_name)
     found_inf = jnp.any(nonfinite)
+    if known is not None and known.found_inf is not None:
+      found_inf = jnp.asarray(known.found_inf)
+    zero = runtime_zero(state.loss_scale)
 
-    def apply_inner():
-      return inner.update(unscaled, state.inner_state, params, **extra_args)
+    def apply_inner(grads, inner_state, params):
+      # Unscaling inside the branch lets XLA fuse it into the optimizer's
+      # kernels; `rounded` keeps every unscaled value rounded to its dtype, as
+      # torch materialises it, even where a consumer would contract it into an FMA.
+      grads_in = unscale(grads, state.loss_scale) if unscaled is None else unscaled
+      grads_in = jax.tree.map(lambda g: rounded(g, zero), grads_in)
+      if known is not None and known.finish is not None:
+        grads_in = jax.tree.map(known.finish, grads_in)
+      return inner.update(grads_in, inner_state, params, **extra_args)
 
-    new_updates, inner_state = lax.cond(
-        found_inf, lambda: _skipped_step(apply_inner, state.inner_state), apply_inner
-    )
+    def skip_inner(grads, inner_state, params):
+      return _skipped_step(apply_inner, grads, inner_state, params)
+
+    operands = (updates, state.inner_state, params)
+    if known is not None and known.found_inf is not None:  # apply_scaled_updates' branches
+      new_updates, inner_state = (skip_inner if known.found_inf else apply_inner)(*operands)
+    else:
+      new_updates, inner_state = lax.cond(~found_inf, apply_inner, skip_inner, *operands)
     loss_scale, growth_tracker, hysteresis_tracker = update_loss_scale_with_options(
         state.loss_scale,
         state.growth_tracker,

@@ -55,8 +55,9 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
 class KnownFlags:
   """Per-leaf finiteness already computed for ``grads`` (see :func:`known_flags`)."""
 
-  def __init__(self, grads: Any, flags: jax.Array, finish: Any = None):
-    self.leaves, self.flags, self.finish, self.uses = jax.tree.leaves(grads), flags, finish, 0
+  def __init__(self, grads: Any, flags: jax.Array, found_inf: Any, finish: Any):
+    self.leaves, self.flags = jax.tree.leaves(grads), flags
+    self.found_inf, self.finish, self.uses = found_inf, finish, 0
 
 
 _KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar(
@@ -65,17 +66,17 @@ _KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def known_flags(grads: Any, flags: jax.Array, finish: Any = None):
-  """While tracing, :func:`unscale_and_check_leaves` of these very ``grads``
-  (the same tracers) takes ``flags`` instead of checking them again, and
-  passes each unscaled leaf through ``finish`` when given.
+def known_flags(grads: Any, flags: jax.Array, found_inf: Any = None, finish: Any = None):
+  """While tracing, :func:`check_leaves` of these very ``grads`` (the same
+  tracers) takes ``flags`` (and ``found_inf``, when given) instead of checking
+  them again, and :func:`unscale` passes each unscaled leaf through ``finish``.
 
   ``jaxamp.apply_scaled_updates`` traces the update in the branches of its own
-  ``lax.cond`` on the flags; a constant all-true ``flags`` in the finite branch
-  lets XLA drop the transform's inner ``lax.cond`` and fuse the whole update.
+  ``lax.cond`` on the flags; a constant ``found_inf`` in each branch lets XLA
+  drop the transform's inner ``lax.cond`` and fuse the whole update.
   Yields the :class:`KnownFlags`, whose ``uses`` counts the substitutions.
   """
-  known = KnownFlags(grads, flags, finish)
+  known = KnownFlags(grads, flags, found_inf, finish)
   token = _KNOWN_FLAGS.set(known)
   try:
     yield known
@@ -83,7 +84,8 @@ def known_flags(grads: Any, flags: jax.Array, finish: Any = None):
     _KNOWN_FLAGS.reset(token)
 
 
-def _known(grads: Any) -> KnownFlags | None:
+def known_for(grads: Any) -> KnownFlags | None:
+  """The :class:`KnownFlags` given for these very ``grads``, counting the use."""
   known = _KNOWN_FLAGS.get()
   if known is None:
     return None
@@ -92,6 +94,35 @@ def _known(grads: Any) -> KnownFlags | None:
     return None
   known.uses += 1
   return known
+
+
+_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def runtime_zero(loss_scale: jax.Array) -> jax.Array:
+  """An int32 zero that XLA cannot prove is zero, for :func:`rounded`.
+
+  It is ``loss_scale != loss_scale``: one only for a NaN scale, whose unscaled
+  gradients are all NaN anyway. It varies over no more ``shard_map`` axes than
+  the scale.
+  """
+  loss_scale = jnp.asarray(loss_scale)
+  return (loss_scale != loss_scale).astype(jnp.int32)
+
+
+def rounded(x: Any, zero: jax.Array) -> Any:
+  """``x`` unchanged, as a value XLA and LLVM cannot contract into an FMA.
+
+  ``zero`` is :func:`runtime_zero`: XOR-ing the bits with it keeps ``x`` rounded to its dtype, so a
+  fused consumer computes what it would from ``x`` in memory. Costs no memory
+  pass.
+  """
+  if x is None:
+    return None
+  bits = _BITS[x.dtype.itemsize]
+  return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype
+  )
 
 
 def leaf_finite_flags(tree: Any) -> jax.Array:
@@ -140,13 +171,13 @@ def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array
   return unscaled, ~jnp.all(finite)
 
 
+def unscale(grads: Any, loss_scale: jax.Array) -> Any:
+  """``grads`` multiplied by torch's ``inv_scale`` (see :func:`unscale_and_check`)."""
+  inv_scale = inverse_scale(loss_scale)
+  return jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
+
+
 def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """:func:`unscale_and_check` with the finiteness of each leaf (bool ``[n]``)."""
   check_float_gradients(grads)
-  inv_scale = inverse_scale(loss_scale)
-  known = _known(grads)
-  finite = leaf_finite_flags(grads) if known is None else known.flags
-  unscaled = jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
-  if known is not None and known.finish is not None:
-    unscaled = jax.tree.map(known.finish, unscaled)
-  return unscaled, finite
+  return unscale(grads, loss_scale), leaf_finite_flags(grads)
