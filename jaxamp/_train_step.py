@@ -37,12 +37,11 @@ def apply_scaled_updates(
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     params = optax.apply_updates(params, updates)
 
-  The loss-scale state and every skip decision are bit-identical to it.
-  Params and the inner state are bit-identical for SGD (with or without
-  momentum) and float16 gradients; for Adam-like optimizers in float32 XLA
-  CPU fuses the single expression differently (multiply-add contraction), so
-  they may differ in the last bits (measured: up to about 1e-4 relative on
-  values near 4e-6), as two ways of writing the same optax step may.
+  The loss-scale state, every skip decision and the unscaled gradients the
+  optimizer sees are bit-identical to it. Params and the inner state agree to
+  the last bits: XLA CPU fuses the single expression differently (multiply-add
+  contraction inside the optimizer's own arithmetic), as two ways of writing
+  the same optax step may.
 
   ``tx`` holds a :func:`dynamic_loss_scale` (bare or inside ``optax.chain``,
   ``optax.inject_hyperparams``) that receives ``grads`` unchanged. The
@@ -51,7 +50,10 @@ def apply_scaled_updates(
   compiles to one branch that XLA fuses, with no materialised updates and no
   second check; on a skipped step only the loss-scale bookkeeping runs and
   ``params`` and the inner state come back untouched. Donate ``params`` and
-  ``opt_state`` to ``jax.jit`` to update them in place.
+  ``opt_state`` to ``jax.jit`` to update them in place, in the order they are
+  returned (``step(params, opt_state, grads) -> (params, opt_state)`` with
+  ``donate_argnums=(0, 1)``): JAX pairs each donated input with the first
+  output of its shape, and a crosswise pairing makes XLA copy every buffer.
 
   Args:
     tx: the optimizer, holding a :func:`dynamic_loss_scale`.
