@@ -97,8 +97,8 @@ def apply_scaled_updates(
   found_inf = ~jnp.all(flags)
   uses = []
 
-  def update(params, opt_state, known, found, finish=None):
-    with known_flags(grads, known, found, finish) as substituted:
+  def update(params, opt_state, known, found):
+    with known_flags(grads, known, found) as substituted:
       updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     uses.append(substituted.uses)
     return updates, new_state
@@ -110,12 +110,14 @@ def apply_scaled_updates(
 
   def apply(params, opt_state):
     # XLA CPU contracts a * b + c into an FMA inside a fusion, where tx.update
-    # then apply_updates rounds the materialised unscaled grads and updates
-    # first. XOR-ing their bits with a runtime zero keeps those roundings, bit
-    # for bit, and costs no memory pass.
-    finish = functools.partial(rounded, zero=runtime_zero(scale_state.loss_scale))
-    updates, new_state = update(params, opt_state, jnp.ones(flags.shape, bool), False, finish)
-    updates = jax.tree.map(finish, updates)
+    # then apply_updates rounds the materialised updates first. XOR-ing their
+    # bits with a runtime zero keeps that rounding, bit for bit, and costs no
+    # memory pass. (The transform rounds the unscaled grads with its own zero;
+    # this one is doubled so that XLA cannot cancel the two XORs of an
+    # identity optimizer, (b ^ z) ^ z = b.)
+    zero = runtime_zero(scale_state.loss_scale) * 2
+    updates, new_state = update(params, opt_state, jnp.ones(flags.shape, bool), False)
+    updates = jax.tree.map(functools.partial(rounded, zero=zero), updates)
     return optax.apply_updates(params, updates), new_state
 
   # params and opt_state are the branches' operands, so a donated buffer is

@@ -222,8 +222,6 @@ def dynamic_loss_scale(
       # torch materialises it, even where a consumer would contract it into an FMA.
       grads_in = unscale(grads, state.loss_scale) if unscaled is None else unscaled
       grads_in = jax.tree.map(lambda g: rounded(g, zero), grads_in)
-      if known is not None and known.finish is not None:
-        grads_in = jax.tree.map(known.finish, grads_in)
       return inner.update(grads_in, inner_state, params, **extra_args)
 
     def skip_inner(grads, inner_state, params):

@@ -55,9 +55,8 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
 class KnownFlags:
   """Per-leaf finiteness already computed for ``grads`` (see :func:`known_flags`)."""
 
-  def __init__(self, grads: Any, flags: jax.Array, found_inf: Any, finish: Any):
-    self.leaves, self.flags = jax.tree.leaves(grads), flags
-    self.found_inf, self.finish, self.uses = found_inf, finish, 0
+  def __init__(self, grads: Any, flags: jax.Array, found_inf: Any):
+    self.leaves, self.flags, self.found_inf, self.uses = jax.tree.leaves(grads), flags, found_inf, 0
 
 
 _KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar(
@@ -66,17 +65,17 @@ _KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def known_flags(grads: Any, flags: jax.Array, found_inf: Any = None, finish: Any = None):
-  """While tracing, :func:`check_leaves` of these very ``grads`` (the same
-  tracers) takes ``flags`` (and ``found_inf``, when given) instead of checking
-  them again, and :func:`unscale` passes each unscaled leaf through ``finish``.
+def known_flags(grads: Any, flags: jax.Array, found_inf: Any = None):
+  """While tracing, ``dynamic_loss_scale`` given these very ``grads`` (the
+  same tracers) takes ``flags`` (and ``found_inf``, when given) instead of
+  checking them again.
 
   ``jaxamp.apply_scaled_updates`` traces the update in the branches of its own
-  ``lax.cond`` on the flags; a constant ``found_inf`` in each branch lets XLA
-  drop the transform's inner ``lax.cond`` and fuse the whole update.
+  ``lax.cond`` on the flags; a Python ``found_inf`` in each branch lets the
+  transform emit no ``lax.cond`` of its own, so XLA fuses the whole update.
   Yields the :class:`KnownFlags`, whose ``uses`` counts the substitutions.
   """
-  known = KnownFlags(grads, flags, found_inf, finish)
+  known = KnownFlags(grads, flags, found_inf)
   token = _KNOWN_FLAGS.set(known)
   try:
     yield known
@@ -102,12 +101,11 @@ _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 def runtime_zero(loss_scale: jax.Array) -> jax.Array:
   """An int32 zero that XLA cannot prove is zero, for :func:`rounded`.
 
-  It is ``loss_scale != loss_scale``: one only for a NaN scale, whose unscaled
+  It is ``isnan(loss_scale)``: one only for a NaN scale, whose unscaled
   gradients are all NaN anyway. It varies over no more ``shard_map`` axes than
   the scale.
   """
-  loss_scale = jnp.asarray(loss_scale)
-  return (loss_scale != loss_scale).astype(jnp.int32)
+  return jnp.isnan(jnp.asarray(loss_scale)).astype(jnp.int32)
 
 
 def rounded(x: Any, zero: jax.Array) -> Any:

@@ -198,3 +198,38 @@ def test_apply_scaled_updates_needs_a_jaxamp_state():
   params = {"w": jnp.ones(2)}
   with pytest.raises(ValueError):
     jaxamp.apply_scaled_updates(tx, params, tx.init(params), params)
+
+
+def _add_params():
+  """An inner transform whose update is ``grads + params``: fused with the
+  unscaling, LLVM would contract ``g * inv + p`` into one FMA."""
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params: (jax.tree.map(jnp.add, updates, params), state),
+  )
+
+
+@pytest.mark.parametrize("inner", ["add_params", "identity"])
+@pytest.mark.parametrize("form", ["helper", "optax"])
+def test_fused_unscaling_keeps_torchs_rounded_unscaled_grads(form, inner):
+  # The unscaling runs inside the optimizer's kernels; each unscaled value must
+  # still be rounded to float32 (torch materialises it) before the optimizer
+  # uses it, and the updates before apply_updates adds them: f32(g * inv) + p,
+  # not fma(g, inv, p). With the identity, the helper's params are
+  # p + f32(g * inv), also where both roundings meet.
+  tx = jaxamp.dynamic_loss_scale(
+      _add_params() if inner == "add_params" else optax.identity(), init_scale=3.0
+  )
+  params, grads = _params(1), _grads(2)
+  state = tx.init(params)
+  unscaled = {k: np.asarray(grads[k]) * (np.float32(1.0) / np.float32(3.0)) for k in SHAPES}
+  updates = {k: unscaled[k] + np.asarray(params[k]) for k in SHAPES} if inner == "add_params" else unscaled
+  if form == "helper":
+    got, _ = jax.jit(_helper_step(tx))(grads, state, params)
+    expected = {k: np.asarray(params[k]) + updates[k] for k in SHAPES}
+  else:
+    got, _ = jax.jit(tx.update)(grads, state, params)
+    expected = updates
+  for k in SHAPES:
+    assert expected[k].dtype == np.float32
+    assert np.asarray(got[k]).tobytes() == expected[k].tobytes(), k
