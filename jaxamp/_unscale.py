@@ -123,9 +123,41 @@ def rounded(x: Any, zero: jax.Array) -> Any:
   )
 
 
+_GROUP = 8  # same-shape leaves per reduction: the fastest measured (BENCHMARKS.md)
+
+
+def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
+  """One variadic reduction over same-shape leaves, a flag per leaf.
+
+  XLA CPU then keeps one accumulator per leaf in a single loop instead of one
+  sequential loop per leaf: 2.4x faster than separate reductions at 200
+  leaves of 125,000 floats, 2.6x at 2,000 leaves.
+  """
+  times_zero = tuple((g * jnp.zeros([], g.dtype)).astype(jnp.float32) for g in grads)
+  sums = lax.reduce(
+      times_zero,
+      (jnp.float32(0),) * len(grads),
+      lambda acc, x: tuple(a + b for a, b in zip(acc, x)),
+      tuple(range(grads[0].ndim)),
+  )
+  return [jnp.isfinite(s) for s in sums]
+
+
 def leaf_finite_flags(tree: Any) -> jax.Array:
   """Per array leaf (in ``jax.tree.leaves`` order), whether it is all finite."""
-  flags = [_leaf_is_finite(leaf) for leaf in jax.tree.leaves(tree)]
+  leaves = jax.tree.leaves(tree)
+  flags: list[Any] = [None] * len(leaves)
+  same_shape: dict[tuple[Any, Any], list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    same_shape.setdefault((leaf.shape, jnp.dtype(leaf.dtype)), []).append(i)
+  for indices in same_shape.values():
+    for start in range(0, len(indices), _GROUP):
+      group = indices[start : start + _GROUP]
+      if len(group) == 1:
+        flags[group[0]] = _leaf_is_finite(leaves[group[0]])
+      else:
+        for i, flag in zip(group, _group_is_finite([leaves[i] for i in group])):
+          flags[i] = flag
   return jnp.stack(flags) if flags else jnp.ones([0], bool)
 
 

@@ -134,3 +134,23 @@ def test_inverse_scale_of_subnormal_scale_matches_torch():
 def test_inverse_scale_above_2_126_flushes_to_zero_documented_divergence():
   # torch keeps the subnormal reciprocal 5.877e-39 of 2^127; XLA flushes it.
   assert float(jax.jit(jaxamp.inverse_scale)(jnp.float32(2.0**127))) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_leaf_finite_flags_of_many_same_shape_leaves(dtype, jit):
+  # Same-shape leaves are checked together (one variadic reduction per 8):
+  # every leaf's flag must still be its own, wherever the inf/NaN sits.
+  from jaxamp._unscale import leaf_finite_flags
+
+  rng = np.random.default_rng(0)
+  shapes = [(3, 5)] * 19 + [(7,)] * 3 + [()] * 9 + [(2, 0)] * 2 + [(4, 4)]
+  leaves = [np.array(rng.normal(size=s) * 1e3, np.float32) for s in shapes]
+  bad = {1: np.inf, 8: np.nan, 9: -np.inf, 17: np.nan, 20: np.inf, 25: np.nan, 33: -np.inf}
+  for i, value in bad.items():
+    leaves[i].reshape(-1)[-1] = value
+  tree = [jnp.asarray(x, dtype) for x in leaves]
+  flags = (jax.jit(leaf_finite_flags) if jit else leaf_finite_flags)(tree)
+  expected = [bool(np.all(np.isfinite(np.asarray(x, np.float32)))) for x in tree]
+  assert np.asarray(flags).tolist() == expected
+  assert expected.count(False) == len(bad)
