@@ -86,7 +86,7 @@ def apply_scaled_updates(
     [0.800000011920929, 0.8999999761581421]
   """
   scale_state = find_loss_scale_state(opt_state)
-  is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
   if any(is_multi(x) for x in jax.tree.leaves(opt_state, is_leaf=is_multi)):
     raise ValueError(_NOT_AS_GIVEN)
   check_float_gradients(grads)

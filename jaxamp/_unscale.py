@@ -46,7 +46,8 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
   # The fastest exact form per dtype on XLA CPU (benchmarks/bench_step.py):
   # float16 arithmetic is slow there, so float16 takes the elementwise test;
   # the others one reduction, g * 0 being 0 for finite g and NaN otherwise.
-  # max|g| would be faster but XLA's vectorised max can drop a NaN.
+  # max|g| would be faster but XLA's vectorised max can drop a NaN. Leaves of
+  # one shape are checked together instead (_group_is_finite), float16 too.
   if grad.dtype == jnp.float16:
     return jnp.all(jnp.isfinite(grad))
   return jnp.isfinite(jnp.sum(grad * jnp.zeros([], grad.dtype), dtype=jnp.float32))
@@ -111,9 +112,9 @@ def runtime_zero(loss_scale: jax.Array) -> jax.Array:
 def rounded(x: Any, zero: jax.Array) -> Any:
   """``x`` unchanged, as a value XLA and LLVM cannot contract into an FMA.
 
-  ``zero`` is :func:`runtime_zero`: XOR-ing the bits with it keeps ``x`` rounded to its dtype, so a
-  fused consumer computes what it would from ``x`` in memory. Costs no memory
-  pass.
+  ``zero`` is :func:`runtime_zero`: XOR-ing the bits with it keeps ``x``
+  rounded to its dtype, so a fused consumer computes what it would from ``x``
+  in memory. Costs no memory pass.
   """
   if x is None:
     return None
@@ -127,20 +128,19 @@ _GROUP = 8  # same-shape leaves per reduction: the fastest measured (BENCHMARKS.
 
 
 def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
-  """One variadic reduction over same-shape leaves, a flag per leaf.
+  """One variadic reduction over same-shape leaves: ``all(isfinite(g))`` for each.
 
-  XLA CPU then keeps one accumulator per leaf in a single loop instead of one
-  sequential loop per leaf: 2.4x faster than separate reductions at 200
-  leaves of 125,000 floats, 2.6x at 2,000 leaves.
+  XLA CPU keeps one accumulator per leaf in a single loop instead of a
+  sequential loop per leaf: at 200 leaves of 125,000 elements 4.1 ms instead
+  of 10.4 (float32), 2.7 instead of 9.5 (float16), and it compiles faster.
   """
-  times_zero = tuple((g * jnp.zeros([], g.dtype)).astype(jnp.float32) for g in grads)
-  sums = lax.reduce(
-      times_zero,
-      (jnp.float32(0),) * len(grads),
-      lambda acc, x: tuple(a + b for a, b in zip(acc, x)),
+  flags = lax.reduce(
+      tuple(jnp.isfinite(g) for g in grads),
+      (jnp.bool_(True),) * len(grads),
+      lambda acc, x: tuple(a & b for a, b in zip(acc, x)),
       tuple(range(grads[0].ndim)),
   )
-  return [jnp.isfinite(s) for s in sums]
+  return list(flags)
 
 
 def leaf_finite_flags(tree: Any) -> jax.Array:
