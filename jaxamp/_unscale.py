@@ -47,7 +47,7 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
   # float16 arithmetic is slow there, so float16 takes the elementwise test;
   # the others one reduction, g * 0 being 0 for finite g and NaN otherwise.
   # max|g| would be faster but XLA's vectorised max can drop a NaN. Leaves of
-  # one shape are checked together instead (_group_is_finite), float16 too.
+  # one size are checked together instead (_group_is_finite), float16 too.
   if grad.dtype == jnp.float16:
     return jnp.all(jnp.isfinite(grad))
   return jnp.isfinite(jnp.sum(grad * jnp.zeros([], grad.dtype), dtype=jnp.float32))
@@ -124,21 +124,21 @@ def rounded(x: Any, zero: jax.Array) -> Any:
   )
 
 
-_GROUP = 8  # same-shape leaves per reduction: the fastest measured (BENCHMARKS.md)
+_GROUP = 8  # same-size leaves per reduction: the fastest measured (BENCHMARKS.md)
 
 
 def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
-  """One variadic reduction over same-shape leaves: ``all(isfinite(g))`` for each.
+  """One variadic reduction over same-size leaves: ``all(isfinite(g))`` for each.
 
   XLA CPU keeps one accumulator per leaf in a single loop instead of a
   sequential loop per leaf: at 200 leaves of 125,000 elements 4.1 ms instead
   of 10.4 (float32), 2.7 instead of 9.5 (float16), and it compiles faster.
   """
   flags = lax.reduce(
-      tuple(jnp.isfinite(g) for g in grads),
+      tuple(jnp.isfinite(g.reshape(-1)) for g in grads),  # a reshape is free
       (jnp.bool_(True),) * len(grads),
       lambda acc, x: tuple(a & b for a, b in zip(acc, x)),
-      tuple(range(grads[0].ndim)),
+      (0,),
   )
   return list(flags)
 
@@ -147,10 +147,10 @@ def leaf_finite_flags(tree: Any) -> jax.Array:
   """Per array leaf (in ``jax.tree.leaves`` order), whether it is all finite."""
   leaves = jax.tree.leaves(tree)
   flags: list[Any] = [None] * len(leaves)
-  same_shape: dict[tuple[Any, Any], list[int]] = {}
+  same_size: dict[tuple[int, Any], list[int]] = {}
   for i, leaf in enumerate(leaves):
-    same_shape.setdefault((leaf.shape, jnp.dtype(leaf.dtype)), []).append(i)
-  for indices in same_shape.values():
+    same_size.setdefault((leaf.size, jnp.dtype(leaf.dtype)), []).append(i)
+  for indices in same_size.values():
     for start in range(0, len(indices), _GROUP):
       group = indices[start : start + _GROUP]
       if len(group) == 1:

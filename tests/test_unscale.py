@@ -139,12 +139,13 @@ def test_inverse_scale_above_2_126_flushes_to_zero_documented_divergence():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("jit", [False, True])
 def test_leaf_finite_flags_of_many_same_shape_leaves(dtype, jit):
-  # Same-shape leaves are checked together (one variadic reduction per 8):
+  # Same-size leaves are checked together (one variadic reduction per 8):
   # every leaf's flag must still be its own, wherever the inf/NaN sits.
   from jaxamp._unscale import leaf_finite_flags
 
   rng = np.random.default_rng(0)
-  shapes = [(3, 5)] * 19 + [(7,)] * 3 + [()] * 9 + [(2, 0)] * 2 + [(4, 4)]
+  shapes = [(3, 5)] * 12 + [(5, 3), (15,)] * 3 + [(1, 15)] + [(7,)] * 3 + [()] * 9
+  shapes += [(2, 0)] * 2 + [(4, 4)]
   leaves = [np.array(rng.normal(size=s) * 1e3, np.float32) for s in shapes]
   bad = {1: np.inf, 8: np.nan, 9: -np.inf, 17: np.nan, 20: np.inf, 25: np.nan, 33: -np.inf}
   for i, value in bad.items():
