@@ -211,9 +211,7 @@ def dynamic_loss_scale(
     nonfinite = ~finite
     if axis_name is not None:
       nonfinite = all_reduce_found_inf(nonfinite, state, axis_name)
-    found_inf = jnp.any(nonfinite)
-    if known is not None and known.found_inf is not None:
-      found_inf = jnp.asarray(known.found_inf)
+    found_inf = jnp.any(nonfinite) if known is None else jnp.asarray(known.found_inf)
     zero = runtime_zero(state.loss_scale)
 
     def apply_inner(grads, inner_state, params):
@@ -228,7 +226,7 @@ def dynamic_loss_scale(
       return _skipped_step(apply_inner, grads, inner_state, params)
 
     operands = (updates, state.inner_state, params)
-    if known is not None and known.found_inf is not None:  # apply_scaled_updates' branches
+    if known is not None:  # inside apply_scaled_updates' branches: no cond of our own
       new_updates, inner_state = (skip_inner if known.found_inf else apply_inner)(*operands)
     else:
       new_updates, inner_state = lax.cond(~found_inf, apply_inner, skip_inner, *operands)

@@ -56,7 +56,7 @@ def _leaf_is_finite(grad: jax.Array) -> jax.Array:
 class KnownFlags:
   """Per-leaf finiteness already computed for ``grads`` (see :func:`known_flags`)."""
 
-  def __init__(self, grads: Any, flags: jax.Array, found_inf: Any):
+  def __init__(self, grads: Any, flags: jax.Array, found_inf: bool):
     self.leaves, self.flags, self.found_inf, self.uses = jax.tree.leaves(grads), flags, found_inf, 0
 
 
@@ -66,10 +66,9 @@ _KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def known_flags(grads: Any, flags: jax.Array, found_inf: Any = None):
+def known_flags(grads: Any, flags: jax.Array, found_inf: bool):
   """While tracing, ``dynamic_loss_scale`` given these very ``grads`` (the
-  same tracers) takes ``flags`` (and ``found_inf``, when given) instead of
-  checking them again.
+  same tracers) takes ``flags`` and ``found_inf`` instead of checking them.
 
   ``jaxamp.apply_scaled_updates`` traces the update in the branches of its own
   ``lax.cond`` on the flags; a Python ``found_inf`` in each branch lets the
