@@ -246,6 +246,148 @@ def test_loss_scale_metrics_dtypes_and_shapes_linen():
   }
 
 
+# ---------------------------------------------------------------- fast update paths
+
+# Added to the scaled grads, step by step: 0 leaves them as they are.
+POISON = [0.0, 0.0, np.inf, 0.0, np.nan, -np.inf, 0.0, 0.0, 0.0]
+
+
+def _adam_tx():
+  return jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2)
+
+
+def _poisoned(grads, poison):
+  return jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
+
+
+def _assert_same_update(ours, flax_own, skipped, before):
+  """Scale state and counters bitwise; params/moments to XLA's fusion noise."""
+  ours_scale, theirs_scale = (
+    jaxamp.find_loss_scale_state(x)._replace(inner_state=None) for x in (ours[1], flax_own[1])
+  )
+  assert [np.asarray(x).tobytes() for x in jax.tree.leaves(ours_scale)] == [
+    np.asarray(x).tobytes() for x in jax.tree.leaves(theirs_scale)
+  ]
+  if skipped:  # the params and Adam's moments are left exactly as they were
+    for x, y in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(before)):
+      np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(flax_own)):
+    np.testing.assert_allclose(
+      np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_update_matches_nnx_optimizer_update(dtype):
+  models = [_nnx_setup(dtype, _adam_tx()) for _ in range(2)]
+
+  @nnx.jit(static_argnums=4)
+  def train_step(model, optimizer, poison, x, fast):
+    _, grads = flax_utils.scaled_value_and_grad(_nnx_loss, optimizer)(model, x, Y)
+    grads = _poisoned(grads, poison)
+    if fast:
+      flax_utils.update(optimizer, model, grads)
+    else:
+      optimizer.update(model, grads)
+
+  for i, poison in enumerate(POISON):
+    x = X * (1.0 + i / 4)
+    before = nnx.state(models[0][0], nnx.Param)
+    before = jax.tree.map(np.asarray, before)
+    train_step(*models[0], jnp.float32(poison), x, True)
+    train_step(*models[1], jnp.float32(poison), x, False)
+    (m0, o0), (m1, o1) = models
+    _assert_same_update(
+      (nnx.state(m0, nnx.Param), nnx.as_pure(o0.opt_state)),
+      (nnx.state(m1, nnx.Param), nnx.as_pure(o1.opt_state)),
+      skipped=poison != 0.0,
+      before=before,
+    )
+    assert int(o0.step[...]) == int(o1.step[...]) == i + 1
+  assert int(o0.opt_state.skipped_steps[...]) == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_gradients_matches_train_state_apply_gradients(dtype):
+  # step as an int32 array from the start (TrainState.create gives a Python
+  # int, which would make the second call a second trace in either path).
+  states = [_linen_state(dtype, _adam_tx()).replace(step=jnp.int32(0)) for _ in range(2)]
+
+  def train_step(state, poison, x, fast):
+    _, grads = flax_utils.scaled_value_and_grad(_linen_loss_fn(state), state)(state.params, x, Y)
+    grads = _poisoned(grads, poison)
+    if fast:
+      return flax_utils.apply_gradients(state, grads=grads)
+    return state.apply_gradients(grads=grads)
+
+  steps = [
+    jax.jit(lambda s, p, x: train_step(s, p, x, True), donate_argnums=0),
+    jax.jit(lambda s, p, x: train_step(s, p, x, False)),
+  ]
+  for i, poison in enumerate(POISON):
+    x = X * (1.0 + i / 4)
+    before = jax.tree.map(np.asarray, states[0].params)
+    states = [step(s, jnp.float32(poison), x) for step, s in zip(steps, states)]
+    _assert_same_update(
+      (states[0].params, states[0].opt_state),
+      (states[1].params, states[1].opt_state),
+      skipped=poison != 0.0,
+      before=before,
+    )
+    assert int(states[0].step) == int(states[1].step) == i + 1
+  assert int(states[0].opt_state.skipped_steps) == 3
+  assert steps[0]._cache_size() == 1
+
+
+def test_apply_gradients_replaces_extra_fields_and_overwrites_with_gradient():
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+  class _State(train_state.TrainState):
+    note: jax.Array
+
+  params = {"params": {"w": jnp.ones(2)}, OVERWRITE_WITH_GRADIENT: {"amax": jnp.zeros(3)}}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  state = _State.create(apply_fn=None, params=params, tx=tx, note=jnp.int32(0))
+  grads = {"params": {"w": jnp.array([2.0, -2.0])}, OVERWRITE_WITH_GRADIENT: {"amax": jnp.ones(3)}}
+  ours = flax_utils.apply_gradients(state, grads=grads, note=jnp.int32(7))
+  theirs = state.apply_gradients(grads=grads, note=jnp.int32(7))
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(x, y)
+  assert ours.params["params"]["w"].tolist() == [0.75, 1.25]
+  assert ours.params[OVERWRITE_WITH_GRADIENT]["amax"].tolist() == [1.0, 1.0, 1.0]
+  assert int(ours.note) == 7
+
+
+def test_apply_gradients_with_donated_state_compiles_without_copies():
+  shapes = [(64, 33), (37,), (8, 8, 3)]
+  params = {f"p{i}": jnp.ones(s) for i, s in enumerate(shapes)}
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=_adam_tx())
+  step = jax.jit(lambda s, g: flax_utils.apply_gradients(s, grads=g), donate_argnums=0)
+  hlo = step.lower(state, params).compile().as_text()
+  sizes = {f"f32[{','.join(map(str, s))}]" for s in shapes}
+  copies = [
+    line for line in hlo.splitlines()
+    if " copy(" in line and any(f"= {size}" in line for size in sizes)
+  ]
+  # (tests/test_performance_properties.py shows this check does see the copies
+  # of a crosswise donation.)
+  assert copies == []
+
+
+def test_fast_paths_reject_optimizers_without_jaxamp_state_or_behind_multisteps():
+  model, optimizer = _nnx_setup(tx=optax.adam(1e-3))
+  grads = nnx.state(model, nnx.Param)
+  with pytest.raises(ValueError, match="found no DynamicLossScaleState"):
+    flax_utils.update(optimizer, model, grads)
+  state = _linen_state(tx=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="found no DynamicLossScaleState"):
+    flax_utils.apply_gradients(state, grads=state.params)
+  state = _linen_state(tx=optax.MultiSteps(_adam_tx(), 2))
+  with pytest.raises(ValueError, match="optax.MultiSteps around it"):
+    flax_utils.apply_gradients(state, grads=state.params)
+
+
 # ---------------------------------------------------------------- bad input
 
 
