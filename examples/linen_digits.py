@@ -46,7 +46,7 @@ def train_step(state: train_state.TrainState, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   loss, grads = flax_utils.scaled_value_and_grad(loss_fn, state)(state.params)
-  state = state.apply_gradients(grads=grads)  # unscales; skips the update on inf/NaN
+  state = flax_utils.apply_gradients(state, grads=grads)  # unscales; skips on inf/NaN
   return state, loss, flax_utils.loss_scale_metrics(state)
 
 

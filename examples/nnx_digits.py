@@ -56,7 +56,7 @@ def loss_fn(model: MLP, x, y):
 def train_step(model: MLP, optimizer: nnx.Optimizer, x, y):
   grad_fn = flax_utils.scaled_value_and_grad(loss_fn, optimizer)
   loss, grads = grad_fn(model, x, y)  # unscaled loss, grads of the scaled loss
-  optimizer.update(model, grads)  # unscales; skips the update on inf/NaN
+  flax_utils.update(optimizer, model, grads)  # unscales; skips the update on inf/NaN
   return loss, flax_utils.loss_scale_metrics(optimizer)
 
 
