@@ -18,6 +18,7 @@ gradients and on gradients with one inf (``skip``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -112,7 +113,7 @@ def main():
       run(grads)
       times[key].append(time.perf_counter() - start)
   print(f"\n{args.params:,} float32 params in {args.leaves} leaves, {args.repeats} repeats, "
-        f"jax {jax.__version__}\n")
+        f"jax {jax.__version__}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}\n")
   print("| update | optimizer | step | median ms | p10-p90 ms | / same API with adam |")
   print("|---|---|---|---:|---:|---:|")
   for (name, opt, which), ts in times.items():

@@ -36,6 +36,7 @@ seconds is reported and not timed; slow baselines are left out of the
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -274,7 +275,8 @@ def main():
     args.sizes, args.repeats = "1m/4", 5
   print(
       f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, "
-      f"jax {jax.__version__}, optax {optax.__version__}, repeats {args.repeats}",
+      f"jax {jax.__version__}, optax {optax.__version__}, repeats {args.repeats}, "
+      f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}",
       flush=True,
   )
   table = []

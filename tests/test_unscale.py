@@ -155,3 +155,25 @@ def test_leaf_finite_flags_of_many_same_shape_leaves(dtype, jit):
   expected = [bool(np.all(np.isfinite(np.asarray(x, np.float32)))) for x in tree]
   assert np.asarray(flags).tolist() == expected
   assert expected.count(False) == len(bad)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_leaf_finite_flags_of_leaves_alone_wherever_the_inf_sits(dtype, jit):
+  # A leaf whose size no other leaf has is checked as two halves (plus the
+  # last element of an odd size): an inf/NaN in either half or at the odd end
+  # must clear its flag, and only its own.
+  from jaxamp._unscale import leaf_finite_flags
+
+  check = jax.jit(leaf_finite_flags) if jit else leaf_finite_flags
+  sizes = [1, 2, 3, 8, 9, 1001, 4096]
+  rng = np.random.default_rng(1)
+  clean = [np.array(rng.normal(size=n) * 1e3, np.float32) for n in sizes]
+  assert np.asarray(check([jnp.asarray(x, dtype) for x in clean])).all()
+  for k, n in enumerate(sizes):
+    for position in sorted({0, n // 2 - 1, n // 2, n - 1} - {-1}):
+      for value in (np.inf, -np.inf, np.nan):
+        leaves = [x.copy() for x in clean]
+        leaves[k][position] = value
+        flags = np.asarray(check([jnp.asarray(x, dtype) for x in leaves]))
+        assert flags.tolist() == [i != k for i in range(len(sizes))], (n, position, value)
