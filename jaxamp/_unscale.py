@@ -134,7 +134,7 @@ def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
 def _alone_is_finite(grad: jax.Array) -> jax.Array:
   """``all(isfinite(grad))`` for a leaf of a size no other leaf has.
 
-  Its two halves go through one variadic reduction, like a group: 1.7-2.7x
+  Its two halves go through one variadic reduction, like a group: 1.6-2.5x
   faster than one reduction over the whole leaf on XLA CPU, and, unlike
   ``all(isfinite(g))`` or ``isfinite(sum(g * 0))``, it writes no temporary
   of the leaf's size for any dtype (BENCHMARKS.md, "Check formulations").
