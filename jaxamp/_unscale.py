@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any
 
 import jax
@@ -125,10 +126,22 @@ def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
   flags = lax.reduce(
       tuple(jnp.isfinite(g.reshape(-1)) for g in grads),  # a reshape is free
       (jnp.bool_(True),) * len(grads),
-      lambda acc, x: tuple(a & b for a, b in zip(acc, x)),
+      _and_each(len(grads)),
       (0,),
   )
   return list(flags)
+
+
+@functools.cache
+def _and_each(n: int):
+  """The reduction of :func:`_group_is_finite`, one function per arity: JAX
+  caches the reduction's jaxpr (and, outside ``jit``, its compiled kernel) by
+  this function, so a new lambda per call would recompile it every eager call."""
+
+  def and_each(acc, x):
+    return tuple(a & b for a, b in zip(acc, x))
+
+  return and_each
 
 
 def _alone_is_finite(grad: jax.Array) -> jax.Array:
