@@ -45,7 +45,7 @@ from jaxamp._checkpoint import (
   scale_array,
   tracker_array,
 )
-from jaxamp._optimizer import Optimizer
+from jaxamp._optimizer import Optimizer, updated
 from jaxamp._protections import (
   check_protection_options,
   check_skip_limit,
@@ -197,6 +197,22 @@ def _per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | No
     if param is not None:
       per_position.append(flag)
   return jnp.stack(per_position) if per_position else jnp.zeros([0], bool)
+
+
+def _all_arrays(tree: Any) -> bool:
+  return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(tree))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step_unless(tx: Any, found_inf: jax.Array, grads: Any, params: Any, opt_state: Any, extra_args: dict):
+  """``Optimizer.updated`` under ``lax.cond(found_inf, skip, apply)``, jitted so
+  that an eager loop compiles it once per optimizer and shapes (a ``lax.cond``
+  of fresh closures outside ``jit`` recompiles on every call)."""
+  return lax.cond(
+      found_inf,
+      lambda: (params, opt_state),
+      lambda: updated(tx, grads, opt_state, params, **extra_args),
+  )
 
 
 def _key_of(optimizer: Any) -> int:
@@ -578,13 +594,19 @@ class GradScaler:
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
 
-    def apply():
-      return optimizer.updated(grads, **extra_args)
+    if _all_arrays(extra_args):
+      params, opt_state = _step_unless(
+          optimizer.tx, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
+      )
+    else:  # e.g. a callable for a line search: not a jit argument
 
-    def skip():
-      return optimizer.params, optimizer.opt_state
+      def apply():
+        return optimizer.updated(grads, **extra_args)
 
-    params, opt_state = lax.cond(found_inf, skip, apply)
+      def skip():
+        return optimizer.params, optimizer.opt_state
+
+      params, opt_state = lax.cond(found_inf, skip, apply)
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     self._states = {**self._states, key: _Record(_Stage.STEPPED, found_inf)}
     return None

@@ -92,9 +92,7 @@ class Optimizer:
 
     Pure: the handle is not changed. ``extra_args`` go to ``tx.update``.
     """
-    tx = optax.with_extra_args_support(self.tx)
-    updates, opt_state = tx.update(grads, self.opt_state, self.params, **extra_args)
-    return optax.apply_updates(self.params, updates), opt_state
+    return updated(self.tx, grads, self.opt_state, self.params, **extra_args)
 
   def step(self, **extra_args: Any) -> None:
     """Applies ``grads`` unconditionally, as torch's ``optimizer.step()``.
@@ -119,3 +117,9 @@ class Optimizer:
 
   def __repr__(self) -> str:
     return f"jaxamp.Optimizer(key={self._key}, params={jax.tree.structure(self.params)})"
+
+
+def updated(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any):
+  """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``."""
+  updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **extra_args)
+  return optax.apply_updates(params, updates), opt_state

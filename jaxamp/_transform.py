@@ -265,4 +265,16 @@ def dynamic_loss_scale(
       )
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  compiled_update = jax.jit(update_fn)
+
+  def update_compiled_once_outside_jit(updates, state, params=None, **extra_args):
+    # Outside jit, lax.cond of fresh closures would compile on every call;
+    # jitting the whole update compiles it once per shapes. Inside a trace
+    # (jit, grad, apply_scaled_updates' branches) the update is traced inline.
+    arguments = (updates, state, params, extra_args)
+    if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+           for x in jax.tree.leaves(arguments)):
+      return compiled_update(updates, state, params, **extra_args)
+    return update_fn(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_compiled_once_outside_jit)

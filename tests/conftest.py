@@ -12,3 +12,19 @@ SHARED_FIXTURES = HERE.parents[1] / "shared" / "torch_reference" / "fixtures.jso
 def torch_fixtures():
   """The exact torch trajectories of ``shared/torch_reference/fixtures.json``."""
   return {f["name"]: f for f in json.loads(FIXTURES.read_text())}
+
+
+@pytest.fixture
+def backend_compiles():
+  """A list that collects one entry per XLA compilation while the test runs."""
+  from jax import monitoring
+
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    if "backend_compile" in event:
+      compiles.append(event)
+
+  monitoring.register_event_duration_secs_listener(listener)
+  yield compiles
+  monitoring.unregister_event_duration_listener(listener)

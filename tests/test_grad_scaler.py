@@ -745,3 +745,26 @@ def test_public_names_import_and_are_documented():
   for name in jaxamp.__all__:
     assert getattr(jaxamp, name).__doc__, name
   assert jaxamp.__all__ == sorted(jaxamp.__all__)
+
+
+def test_eager_loop_compiles_nothing_after_the_first_iteration(backend_compiles):
+  # A torch loop ported line by line runs outside jit: scaler.step's
+  # lax.cond is jitted once per optimizer and shapes, not every iteration.
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  opt = jaxamp.Optimizer(optax.adam(1e-3), params)
+
+  def iteration(bad):
+    opt.zero_grad()
+    loss = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]) * bad
+    opt.grads = jax.grad(lambda p: scaler.scale(loss(p)))(opt.params)
+    scaler.step(opt)
+    scaler.update()
+
+  iteration(jnp.float32(1.0))
+  iteration(jnp.float32(jnp.inf))
+  backend_compiles.clear()
+  for bad in (1.0, jnp.inf, 1.0):
+    iteration(jnp.float32(bad))
+  assert backend_compiles == []
+  assert float(scaler.get_scale()) == 1.0  # two backoffs from 4

@@ -370,3 +370,18 @@ def test_dynamic_loss_scale_traced_hyperparameters_are_not_validated_but_work():
     return state.loss_scale
 
   assert float(jax.jit(run)(jnp.float32(1.5))) == 3.0
+
+
+def test_update_outside_jit_compiles_once(backend_compiles):
+  # Outside jit the whole update is jitted once per shapes: a lax.cond of
+  # fresh closures would compile on every call (hundreds of ms a step).
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0)
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  state = tx.init(params)
+  grads = [{"w": jnp.full((3, 2), v), "b": jnp.ones(2)} for v in (1.0, jnp.inf, 2.0)]
+  _, state = tx.update(grads[0], state, params)
+  backend_compiles.clear()
+  for g in grads[1:]:
+    _, state = tx.update(g, state, params)
+  assert backend_compiles == []
+  assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0

@@ -179,27 +179,16 @@ def test_leaf_finite_flags_of_leaves_alone_wherever_the_inf_sits(dtype, jit):
         assert flags.tolist() == [i != k for i in range(len(sizes))], (n, position, value)
 
 
-def test_leaf_finite_flags_outside_jit_compiles_once():
+def test_leaf_finite_flags_outside_jit_compiles_once(backend_compiles):
   # The variadic reductions are built from one cached function per arity, so
   # a second eager call with the same shapes compiles nothing (a new lambda
   # per call made every GradScaler.unscale_ recompile them).
-  from jax import monitoring
-
   from jaxamp._unscale import leaf_finite_flags
 
   tree = [jnp.ones((33, 5)), jnp.ones(7), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((), jnp.float16)]
   assert np.asarray(leaf_finite_flags(tree)).all()
   poisoned = [x.at[0].set(jnp.inf) if x.ndim == 1 else x for x in tree]
-  compiles = []
-
-  def listener(event, duration, **kwargs):
-    if "backend_compile" in event:
-      compiles.append(event)
-
-  monitoring.register_event_duration_secs_listener(listener)
-  try:
-    flags = leaf_finite_flags(poisoned)
-  finally:
-    monitoring.unregister_event_duration_listener(listener)
+  backend_compiles.clear()
+  flags = leaf_finite_flags(poisoned)
   assert np.asarray(flags).tolist() == [True, False, True, True, True]
-  assert compiles == []
+  assert backend_compiles == []
