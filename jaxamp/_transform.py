@@ -97,7 +97,7 @@ def dynamic_loss_scale(
   Multiply the loss by ``get_loss_scale(opt_state)`` (or use
   :func:`scale_loss`) and pass the gradients of the *scaled* loss to
   ``update``. Each update does one torch iteration, jitted and without host
-  synchronisation::
+  synchronisation (called outside ``jit``, it compiles once per shapes)::
 
     unscaled, found_inf = unscale_and_check(grads, loss_scale)
     if found_inf:  updates, inner_state = zeros, inner_state      # skipped
