@@ -199,8 +199,13 @@ def _per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | No
   return jnp.stack(per_position) if per_position else jnp.zeros([0], bool)
 
 
-def _all_arrays(tree: Any) -> bool:
-  return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(tree))
+def _compilable(tx: Any, extra_args: dict) -> bool:
+  """Whether :func:`_step_unless` can take these (a hashable ``tx``, array args)."""
+  try:
+    hash(tx)
+  except TypeError:
+    return False
+  return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(extra_args))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -594,7 +599,7 @@ class GradScaler:
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
 
-    if _all_arrays(extra_args):
+    if _compilable(optimizer.tx, extra_args):
       params, opt_state = _step_unless(
           optimizer.tx, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
       )

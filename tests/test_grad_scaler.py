@@ -768,3 +768,32 @@ def test_eager_loop_compiles_nothing_after_the_first_iteration(backend_compiles)
     iteration(jnp.float32(bad))
   assert backend_compiles == []
   assert float(scaler.get_scale()) == 1.0  # two backoffs from 4
+
+
+class _UnhashableUpdate:
+  """An update function that cannot be a static jit argument (no __hash__)."""
+
+  def __eq__(self, other):
+    return self is other
+
+  def __call__(self, updates, state, params=None, *, factor=1.0, fn=None):
+    scale = factor if fn is None else fn()
+    return jax.tree.map(lambda g: -scale * g, updates), state
+
+
+@pytest.mark.parametrize("hashable", [True, False])
+def test_step_forwards_extra_args_arrays_and_callables(hashable):
+  # Array extra args take the compiled path; a callable (line searches take
+  # value functions) or an unhashable transformation the traced one.
+  update = _UnhashableUpdate()
+  if hashable:
+    def update(updates, state, params=None, *, factor=1.0, fn=None):
+      return _UnhashableUpdate.__call__(None, updates, state, params, factor=factor, fn=fn)
+  tx = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+  scaler = jaxamp.GradScaler(init_scale=2.0)
+  for kwargs, expected in [({"factor": jnp.float32(0.5)}, 0.5), ({"fn": lambda: 0.25}, 0.75)]:
+    opt = jaxamp.Optimizer(tx, {"w": jnp.ones(2)})
+    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(opt.params)  # grads 2.0
+    scaler.step(opt, **kwargs)
+    scaler.update()
+    assert opt.params["w"].tolist() == [expected, expected]
