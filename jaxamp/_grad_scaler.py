@@ -200,7 +200,7 @@ def _per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | No
 
 
 def _compilable(tx: Any, extra_args: dict) -> bool:
-  """Whether :func:`_step_unless` can take these (a hashable ``tx``, array args)."""
+  """Whether ``_compiled_step_unless`` can take these (a hashable ``tx``, array args)."""
   try:
     hash(tx)
   except TypeError:
@@ -208,16 +208,18 @@ def _compilable(tx: Any, extra_args: dict) -> bool:
   return all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in jax.tree.leaves(extra_args))
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _step_unless(tx: Any, found_inf: jax.Array, grads: Any, params: Any, opt_state: Any, extra_args: dict):
-  """``Optimizer.updated`` under ``lax.cond(found_inf, skip, apply)``, jitted so
-  that an eager loop compiles it once per optimizer and shapes (a ``lax.cond``
-  of fresh closures outside ``jit`` recompiles on every call)."""
+  """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``."""
   return lax.cond(
       found_inf,
       lambda: (params, opt_state),
       lambda: updated(tx, grads, opt_state, params, **extra_args),
   )
+
+
+# Compiled once per optimizer and shapes, so an eager loop does not recompile:
+# a lax.cond of fresh closures outside jit compiles on every call.
+_compiled_step_unless = jax.jit(_step_unless, static_argnums=0)
 
 
 def _key_of(optimizer: Any) -> int:
@@ -599,19 +601,12 @@ class GradScaler:
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
 
-    if _compilable(optimizer.tx, extra_args):
-      params, opt_state = _step_unless(
-          optimizer.tx, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
-      )
-    else:  # e.g. a callable for a line search: not a jit argument
-
-      def apply():
-        return optimizer.updated(grads, **extra_args)
-
-      def skip():
-        return optimizer.params, optimizer.opt_state
-
-      params, opt_state = lax.cond(found_inf, skip, apply)
+    # A callable extra arg (a line search's value function) or an unhashable
+    # tx cannot go through jit's cache: those are traced on every call.
+    step = _compiled_step_unless if _compilable(optimizer.tx, extra_args) else _step_unless
+    params, opt_state = step(
+        optimizer.tx, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
+    )
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     self._states = {**self._states, key: _Record(_Stage.STEPPED, found_inf)}
     return None
