@@ -699,6 +699,20 @@ class GradScaler:
     return self._counter("consecutive_skipped")
 
   @property
+  def loss_scale(self) -> jax.Array:
+    """The current scale, float32 ``[]`` (a device array: no host read; 1 when disabled)."""
+    if not self._enabled:
+      return scale_array(1.0)
+    return self._scale
+
+  @property
+  def growth_tracker(self) -> jax.Array:
+    """Consecutive clean updates since the last growth or backoff, int32 ``[]``."""
+    if not self._enabled:
+      return tracker_array(0)
+    return self._growth_tracker
+
+  @property
   def hysteresis_tracker(self) -> jax.Array:
     """Overflowing updates still tolerated before a backoff, int32 ``[]``
     (always 1 with ``hysteresis=1``, torch's rule)."""

@@ -305,7 +305,7 @@ def test_grad_scaler_matches_dynamic_loss_scale(inner):
     core_params = optax.apply_updates(core_params, updates)
 
     scaler.scale(jnp.float32(1.0))
-    assert np.asarray(scaler._scale).tobytes() == np.asarray(scale).tobytes()
+    assert np.asarray(scaler.loss_scale).tobytes() == np.asarray(scale).tobytes()
     opt.grads = grads
     scaler.unscale_(opt)
     expected_unscaled, found_inf = jaxamp.unscale_and_check(grads, scale)
@@ -313,8 +313,8 @@ def test_grad_scaler_matches_dynamic_loss_scale(inner):
     assert bool(scaler._states[opt._key].found_inf) == bool(found_inf) == bool(state.found_inf)
     scaler.step(opt)
     scaler.update()
-    assert np.asarray(scaler._scale).tobytes() == np.asarray(state.loss_scale).tobytes(), i
-    assert int(scaler._growth_tracker) == int(state.growth_tracker), i
+    assert np.asarray(scaler.loss_scale).tobytes() == np.asarray(state.loss_scale).tobytes(), i
+    assert int(scaler.growth_tracker) == int(state.growth_tracker), i
     # The optimizer's own arithmetic is not torch's and not bit-defined: the
     # two APIs run it in different XLA programs, where the CPU compiler fuses
     # (and contracts into FMAs) differently; they agree to the last few bits.
@@ -528,7 +528,7 @@ def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
   with jax.transfer_guard("disallow"):
     for inject in injections:
       scaler, opt = train_step(scaler, opt, x, inject)
-      scales.append(scaler._scale)
+      scales.append(scaler.loss_scale)
   assert len(traces) == 1
   assert [float(s) for s in scales] == [8.0, 16.0, 8.0, 8.0, 16.0, 8.0, 8.0, 16.0]
 

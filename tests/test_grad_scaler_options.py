@@ -263,8 +263,8 @@ def test_grad_scaler_matches_dynamic_loss_scale_with_options(name):
       detected_only_by_unscaling += 1
     scaler, opt = _iteration(scaler, opt, grads)
 
-    assert _bits(scaler._scale) == _bits(state.loss_scale), i
-    assert int(scaler._growth_tracker) == int(state.growth_tracker), i
+    assert _bits(scaler.loss_scale) == _bits(state.loss_scale), i
+    assert int(scaler.growth_tracker) == int(state.growth_tracker), i
     assert int(scaler.hysteresis_tracker) == int(state.hysteresis_tracker), i
     assert int(scaler.skipped_updates) == int(state.skipped_steps), i
     assert int(scaler.consecutive_skipped_updates) == int(state.consecutive_skipped_steps), i
@@ -313,7 +313,7 @@ def test_grad_scaler_jitted_iteration_with_options_compiles_once_without_transfe
   with jax.transfer_guard("disallow"):
     for inject in injections:
       scaler, opt = train_step(scaler, opt, x, inject)
-      scales.append(scaler._scale)
+      scales.append(scaler.loss_scale)
   assert len(traces) == 1
   # hysteresis 2 refilled on every clean update: one overflow is absorbed, two
   # in a row back off; growth every 2 clean updates, capped at 16, floored at 1.
