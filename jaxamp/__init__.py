@@ -5,31 +5,32 @@ from jaxamp._grad_scaler import GradScaler
 from jaxamp._optimizer import Optimizer
 from jaxamp._scale_update import update_loss_scale
 from jaxamp._state_access import (
-    find_loss_scale_state,
-    get_loss_scale,
-    nonfinite_leaf_paths,
-    scale_loss,
+  find_loss_scale_state,
+  get_loss_scale,
+  nonfinite_leaf_paths,
+  scale_loss,
 )
 from jaxamp._train_step import apply_scaled_updates
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
-from jaxamp._unscale import all_finite, inverse_scale, unscale_and_check
+from jaxamp._finite import all_finite
+from jaxamp._unscale import inverse_scale, unscale_and_check
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DynamicLossScaleState",
-    "GradScaler",
-    "Optimizer",
-    "all_finite",
-    "apply_scaled_updates",
-    "dynamic_loss_scale",
-    "find_loss_scale_state",
-    "get_loss_scale",
-    "inverse_scale",
-    "load_state_dict",
-    "nonfinite_leaf_paths",
-    "scale_loss",
-    "state_dict",
-    "unscale_and_check",
-    "update_loss_scale",
+  "DynamicLossScaleState",
+  "GradScaler",
+  "Optimizer",
+  "all_finite",
+  "apply_scaled_updates",
+  "dynamic_loss_scale",
+  "find_loss_scale_state",
+  "get_loss_scale",
+  "inverse_scale",
+  "load_state_dict",
+  "nonfinite_leaf_paths",
+  "scale_loss",
+  "state_dict",
+  "unscale_and_check",
+  "update_loss_scale",
 ]

@@ -1,21 +1,23 @@
 """torch's ``GradScaler.state_dict`` format, read and written for jaxamp states.
 
-torch saves five plain Python values, in this order (SPEC 1.9)::
+torch saves five plain Python values, in this order (docs/torch_semantics.md §1.9)::
 
   {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
    "growth_interval": 2000, "_growth_tracker": 0}
 
 :func:`state_dict` and :func:`load_state_dict` convert between that dict and the
-:class:`~jaxamp.DynamicLossScaleState` inside an optax state, so a run can move
-between torch and JAX (in both directions) and continue bit for bit.
-``jaxamp.GradScaler`` uses the same format and the same checks.
+:class:`~jaxamp.DynamicLossScaleState` inside an optax state, so a run moves
+between torch and JAX in both directions and continues bit for bit. The
+hyperparameters are those the state records (its transformation's, or those
+``optax.inject_hyperparams`` holds): nothing else can be written, and a dict
+with others is refused. ``jaxamp.GradScaler`` uses the same format and checks.
 
 Deliberate differences from torch's ``load_state_dict``: the dict is checked
-completely before anything is applied (torch applies keys one by one and can
-stop half way), extra keys are an error (torch ignores them), values must be
-Python or NumPy numbers of the right kind, and a scale beyond the float32 range
-or a tracker beyond the int32 range is rejected at load time (torch fails at
-load or at the next ``scale()``, with the same messages).
+completely before anything is applied (torch applies keys one by one), extra
+keys are an error (torch ignores them), values must be Python or NumPy numbers
+of the right kind, and a scale that is not a finite positive float32 number,
+or a tracker beyond int32, is refused (torch loads them, or fails at the next
+``scale()``; a NaN scale would skip every later step).
 """
 
 from __future__ import annotations
@@ -26,27 +28,38 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 
-from jaxamp._state_access import _array, _opt_state_of, find_loss_scale_state
+from jaxamp._config import (
+  FLOAT_OVERFLOW_MESSAGE,
+  FLT_MAX,
+  INJECTED,
+  INT32_MAX,
+  INT32_MIN,
+  check_scale,
+)
+from jaxamp._core import int32_array, scale_array
+from jaxamp._state_access import field_array, find_loss_scale_state, opt_state_of
 from jaxamp._transform import DynamicLossScaleState
-from jaxamp._validation import FLT_MAX, INT32_MAX, INT32_MIN
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+HYPERPARAMETERS = ("growth_factor", "backoff_factor", "growth_interval")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 EMPTY_STATE_DICT_MESSAGE = (
   "The source state dict is empty, possibly because it was saved from a "
   "disabled instance of GradScaler."
 )
-FLOAT_OVERFLOW_MESSAGE = "value cannot be converted to type float without overflow"
 INT_OVERFLOW_MESSAGE = "value cannot be converted to type int without overflow"
 
 
 def _plain(value: Any) -> Any:
-  """A NumPy scalar as the Python number it holds; anything else unchanged."""
-  return value.item() if isinstance(value, np.generic) else value
+  """A NumPy scalar (or a 0-dim array) as the Python number it holds."""
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+    return np.asarray(value).item()
+  return value
 
 
 def _real(key: str, value: Any) -> float | int:
@@ -77,7 +90,8 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
     TypeError: ``state_dict`` is not a mapping, or a value has the wrong type.
     RuntimeError: the dict is empty (torch's message), the scale is a finite
       number beyond the float32 range, or the tracker is beyond int32.
-    KeyError: a key is missing. ValueError: there are unexpected keys.
+    ValueError: unexpected keys; a scale that is not finite and positive in float32.
+    KeyError: a key is missing.
   """
   if not isinstance(state_dict, Mapping):
     raise TypeError(f"jaxamp: a state dict must be a mapping, got {type(state_dict).__name__}.")
@@ -101,6 +115,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
       f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
       "range; nothing was loaded)"
     )
+  check_scale("the state dict's scale", scale)
   return {
     "scale": scale,
     "growth_factor": _real("growth_factor", state_dict["growth_factor"]),
@@ -122,54 +137,97 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
   }
 
 
-def scale_array(scale: float) -> jax.Array:
-  """``float32(scale)`` rounded to nearest, as torch's ``fill_`` (checked range)."""
-  return jnp.asarray(np.float32(scale))
+def _is_recorder(x: Any) -> bool:
+  return isinstance(x, (DynamicLossScaleState, *_INJECT_STATES))
 
 
-def tracker_array(tracker: int) -> jax.Array:
-  return jnp.asarray(np.int32(tracker))
+def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
+  """The hyperparameters held by the ``inject_hyperparams`` states around the
+  jaxamp state, the innermost last."""
+  found: dict[str, Any] = {}
+  for node in jax.tree.leaves(opt_state, is_leaf=_is_recorder):
+    if isinstance(node, _INJECT_STATES) and any(
+      isinstance(x, DynamicLossScaleState)
+      for x in jax.tree.leaves(node.inner_state, is_leaf=_is_recorder)
+    ):
+      found.update(node.hyperparams)
+      found.update(_injected_hyperparameters(node.inner_state))
+  return found
+
+
+def hyperparameters_in_use(opt_state: Any) -> dict[str, Any]:
+  """torch's three hyperparameters, as the jaxamp state in ``opt_state`` uses them."""
+  opt_state = opt_state_of(opt_state)
+  config = find_loss_scale_state(opt_state).config
+  injected = _injected_hyperparameters(opt_state)
+  in_use = {}
+  for name in HYPERPARAMETERS:
+    value = field_array(injected[name]) if name in injected else getattr(config, name)
+    if value is INJECTED:
+      raise ValueError(
+        f"jaxamp: {name} was given to dynamic_loss_scale as an array, which the "
+        "state cannot record; pass a Python number (or optax.inject_hyperparams, "
+        "whose state holds the value) to save a state dict."
+      )
+    in_use[name] = _plain(value)
+  return in_use
+
+
+def _check_hyperparameters(in_use: dict[str, Any], given: dict[str, Any], where: str) -> None:
+  for name, value in given.items():
+    if value is not None and _plain(value) != in_use[name]:
+      raise ValueError(
+        f"jaxamp: {where} has {name}={_plain(value)!r} but the optimizer uses "
+        f"{in_use[name]!r}; build dynamic_loss_scale with the hyperparameters of "
+        "the checkpoint. Nothing was changed."
+      )
 
 
 def state_dict(
   opt_state: Any,
   *,
-  growth_factor: float = 2.0,
-  backoff_factor: float = 0.5,
-  growth_interval: int = 2000,
+  growth_factor: float | None = None,
+  backoff_factor: float | None = None,
+  growth_interval: int | None = None,
 ) -> dict[str, Any]:
   """The loss-scale state of ``opt_state`` as torch's ``GradScaler.state_dict()``.
 
-  The optax state holds the scale and the growth tracker; the hyperparameters
-  live in the transformation, so pass the ones given to
-  :func:`~jaxamp.dynamic_loss_scale` (the defaults are the same). The result
-  loads into ``torch.amp.GradScaler.load_state_dict`` and continues the run bit
-  for bit. It reads the arrays on the host: call it outside ``jit``.
+  The hyperparameters are the ones the state records: those
+  :func:`~jaxamp.dynamic_loss_scale` was built with, or the current values of
+  ``optax.inject_hyperparams``. The result loads into
+  ``torch.amp.GradScaler.load_state_dict`` and continues the run bit for bit.
+  It reads the arrays on the host: call it outside ``jit``.
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``
       (or an object with ``.opt_state``, e.g. a ``flax.nnx.Optimizer``).
-    growth_factor: the value given to ``dynamic_loss_scale``.
-    backoff_factor: the value given to ``dynamic_loss_scale``.
-    growth_interval: the value given to ``dynamic_loss_scale``.
+    growth_factor: if given, checked against the one in use.
+    backoff_factor: if given, checked against the one in use.
+    growth_interval: if given, checked against the one in use.
 
   Returns:
     ``{"scale": float, "growth_factor": ..., "backoff_factor": ...,
     "growth_interval": int, "_growth_tracker": int}``, in torch's key order.
 
+  Raises:
+    ValueError: no jaxamp state, or a given hyperparameter is not the one in use.
+
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
-    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=3.0)
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=3.0, growth_interval=10)
     >>> jaxamp.state_dict(tx.init({"w": jnp.ones(2)}))
-    {'scale': 3.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
+    {'scale': 3.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 10, '_growth_tracker': 0}
   """
+  in_use = hyperparameters_in_use(opt_state)
+  given = dict(
+    growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
+  )
+  _check_hyperparameters(in_use, given, "the call")
   loss_scale_state = find_loss_scale_state(opt_state)
   return {
-    "scale": float(_array(loss_scale_state.loss_scale)),
-    "growth_factor": _plain(growth_factor),
-    "backoff_factor": _plain(backoff_factor),
-    "growth_interval": _plain(growth_interval),
-    "_growth_tracker": int(_array(loss_scale_state.growth_tracker)),
+    "scale": float(field_array(loss_scale_state.loss_scale)),
+    **in_use,
+    "_growth_tracker": int(field_array(loss_scale_state.growth_tracker)),
   }
 
 
@@ -195,29 +253,28 @@ def load_state_dict(
   """Returns ``opt_state`` with the scale and growth tracker of ``state_dict``.
 
   ``state_dict`` is one saved by torch's ``GradScaler.state_dict()`` (also after
-  ``torch.save``/``torch.load``) or by :func:`state_dict`. The scale is rounded
-  to float32 as torch's ``fill_`` does; every other part of ``opt_state``
-  (inner optimizer state, skip counters) is kept. The tree keeps its structure
-  and container types: the fields of an ``nnx.Optimizer``'s state stay ``nnx``
-  variables (``optimizer.opt_state = jaxamp.load_state_dict(optimizer.opt_state, sd)``).
-
-  The hyperparameters cannot be changed inside an optax transformation: build
-  ``dynamic_loss_scale`` with the saved ones. Pass them here as well to have
-  them checked against the dict.
+  ``torch.save``/``torch.load``) or by :func:`state_dict`. Its hyperparameters
+  must be the ones the optimizer uses (build :func:`~jaxamp.dynamic_loss_scale`
+  with the saved ones). The scale is rounded to float32 as torch's ``fill_``
+  does; every other part of ``opt_state`` (inner optimizer state, skip
+  counters) is kept. The tree keeps its structure and container types: the
+  fields of an ``nnx.Optimizer``'s state stay ``nnx`` variables
+  (``optimizer.opt_state = jaxamp.load_state_dict(optimizer.opt_state, sd)``).
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``.
-    state_dict: torch's five keys (SPEC 1.9).
-    growth_factor: if given, must equal the dict's value.
-    backoff_factor: if given, must equal the dict's value.
-    growth_interval: if given, must equal the dict's value.
+    state_dict: torch's five keys (docs/torch_semantics.md §1.9).
+    growth_factor: if given, must be the one in use.
+    backoff_factor: if given, must be the one in use.
+    growth_interval: if given, must be the one in use.
 
   Returns:
     A new optimizer state of the same structure.
 
   Raises:
     TypeError, KeyError, ValueError, RuntimeError: a bad state dict (see
-      ``check_state_dict``) or a hyperparameter mismatch; nothing is loaded.
+      ``check_state_dict``) or hyperparameters other than the ones in use;
+      nothing is loaded.
 
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
@@ -228,25 +285,21 @@ def load_state_dict(
     (0.10000000149011612, 7)
   """
   checked = check_state_dict(state_dict)
-  for name, expected in (
-    ("growth_factor", growth_factor),
-    ("backoff_factor", backoff_factor),
-    ("growth_interval", growth_interval),
-  ):
-    if expected is not None and _plain(expected) != checked[name]:
-      raise ValueError(
-        f"jaxamp: the state dict has {name}={checked[name]!r} but the optimizer "
-        f"was built with {expected!r}; build dynamic_loss_scale with the saved "
-        "hyperparameters. Nothing was loaded."
-      )
-  if _opt_state_of(opt_state) is not opt_state:
+  if opt_state_of(opt_state) is not opt_state:
     raise TypeError(
       "jaxamp.load_state_dict takes the optimizer state itself (e.g. "
       "optimizer.opt_state) and returns a new one."
     )
-  find_loss_scale_state(opt_state)  # exactly one, or a clear error
+  in_use = hyperparameters_in_use(opt_state)
+  given = dict(
+    growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
+  )
+  _check_hyperparameters(in_use, given, "the call")
+  _check_hyperparameters(
+    in_use, {name: checked[name] for name in HYPERPARAMETERS}, "the state dict"
+  )
   scale = scale_array(checked["scale"])
-  tracker = tracker_array(checked["_growth_tracker"])
+  tracker = int32_array(checked["_growth_tracker"])
 
   def replace(node: Any) -> Any:
     if not _is_loss_scale_state(node):

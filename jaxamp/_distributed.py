@@ -28,14 +28,14 @@ def _check_replicated(state: Any, axis_names: tuple[str, ...]) -> None:
     varying = set(varying_axes(value)) & set(axis_names)
     if varying:
       raise ValueError(
-          f"jaxamp: the loss-scale state must be replicated over {axis_names}, but "
-          f"{field} varies over {sorted(varying)}. Pass the optimizer state with "
-          "a replicated spec (P()) to shard_map."
+        f"jaxamp: the loss-scale state must be replicated over {axis_names}, but "
+        f"{field} varies over {sorted(varying)}. Pass the optimizer state with "
+        "a replicated spec (P()) to shard_map."
       )
 
 
 def all_reduce_found_inf(
-    found_inf: jax.Array, state: Any, axis_name: str | tuple[str, ...]
+  found_inf: jax.Array, state: Any, axis_name: str | tuple[str, ...]
 ) -> jax.Array:
   """``found_inf`` OR-ed over the devices of ``axis_name``.
 
@@ -57,7 +57,7 @@ def _check_bound(names: tuple[str, ...], axis_name: Any) -> None:
       lax.axis_size(name)
     except NameError as error:
       raise ValueError(
-          f"jaxamp: axis_name={axis_name!r} is not bound here. Call the update "
-          "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
-          f"unset under plain jax.jit. ({error})"
+        f"jaxamp: axis_name={axis_name!r} is not bound here. Call the update "
+        "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
+        f"unset under plain jax.jit. ({error})"
       ) from None

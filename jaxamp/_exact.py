@@ -3,7 +3,7 @@
 torch's ``_amp_update_scale_`` forms the new scale as the float64 product of the
 float32 scale and a float64 factor, rounded once to float32. JAX runs in 32-bit
 mode by default and XLA flushes subnormals, so a plain ``scale * factor`` in
-float32 differs from torch for about a quarter of non-dyadic factors (SPEC 3.3).
+float32 differs from torch for about a quarter of non-dyadic factors (docs/torch_semantics.md §3.3).
 
 This module reproduces it exactly with int32 arithmetic: both operands are
 unpacked into integer significands and multiplied exactly in 12-bit limbs; the
@@ -48,9 +48,7 @@ def _unpack_f32(x) -> _Unpacked:
   limbs = [significand & _LIMB_MASK, significand >> _LIMB_BITS]
   exponent = jnp.maximum(biased, 1) - 150
   special = biased == 0xFF
-  return _Unpacked(
-      bits < 0, limbs, exponent, special & (fraction == 0), special & (fraction != 0)
-  )
+  return _Unpacked(bits < 0, limbs, exponent, special & (fraction == 0), special & (fraction != 0))
 
 
 def _unpack_f64_words(hi, lo) -> _Unpacked:
@@ -61,18 +59,16 @@ def _unpack_f64_words(hi, lo) -> _Unpacked:
   lo = lax.bitcast_convert_type(lo, jnp.uint32)
   lo_bits = lambda shift: lax.bitcast_convert_type(lo >> shift, jnp.int32)
   limbs = [
-      lo_bits(0) & _LIMB_MASK,
-      lo_bits(12) & _LIMB_MASK,
-      (lo_bits(24) | (hi_significand << 8)) & _LIMB_MASK,
-      (hi_significand >> 4) & _LIMB_MASK,
-      hi_significand >> 16,
+    lo_bits(0) & _LIMB_MASK,
+    lo_bits(12) & _LIMB_MASK,
+    (lo_bits(24) | (hi_significand << 8)) & _LIMB_MASK,
+    (hi_significand >> 4) & _LIMB_MASK,
+    hi_significand >> 16,
   ]
   exponent = jnp.maximum(biased, 1) - 1075
   special = biased == 0x7FF
   fraction_nonzero = (hi_fraction != 0) | (lo != 0)
-  return _Unpacked(
-      hi < 0, limbs, exponent, special & ~fraction_nonzero, special & fraction_nonzero
-  )
+  return _Unpacked(hi < 0, limbs, exponent, special & ~fraction_nonzero, special & fraction_nonzero)
 
 
 def _unpack_factor(factor) -> _Unpacked:
@@ -104,7 +100,9 @@ def _limbs_to_bits(limbs):
 
 def _bits_to_limbs(bits):
   positions = jnp.arange(_LIMB_BITS, dtype=jnp.int32)
-  return list(jnp.sum(bits.reshape(_PRODUCT_LIMBS, _LIMB_BITS) << positions, axis=1, dtype=jnp.int32))
+  return list(
+    jnp.sum(bits.reshape(_PRODUCT_LIMBS, _LIMB_BITS) << positions, axis=1, dtype=jnp.int32)
+  )
 
 
 def _add_limbs(a: list, b: list) -> list:
@@ -145,7 +143,7 @@ def _pack_f32_bits(bits, exponent):
   index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
   shift = _lsb_shift(bits, exponent, 24, -149)
   significand = jnp.sum(
-      jnp.where(index >= shift, bits << jnp.clip(index - shift, 0, 24), 0), dtype=jnp.int32
+    jnp.where(index >= shift, bits << jnp.clip(index - shift, 0, 24), 0), dtype=jnp.int32
   )
   lsb_exponent = shift + exponent
   biased = jnp.where(significand >= (1 << 23), lsb_exponent + 150, 0)
@@ -182,11 +180,11 @@ def multiply_exact_either(x, use_first, first, second):
   a, b = _unpack_factor(first), _unpack_factor(second)
   pick = lambda u, v: jnp.where(use_first, u, v)
   chosen = _Unpacked(
-      pick(a.sign, b.sign),
-      [pick(u, v) for u, v in zip(a.limbs + [0] * 3, b.limbs + [0] * 3)][:5],
-      pick(a.exponent, b.exponent),
-      pick(a.is_inf, b.is_inf),
-      pick(a.is_nan, b.is_nan),
+    pick(a.sign, b.sign),
+    [pick(u, v) for u, v in zip(a.limbs + [0] * 3, b.limbs + [0] * 3)][:5],
+    pick(a.exponent, b.exponent),
+    pick(a.is_inf, b.is_inf),
+    pick(a.is_nan, b.is_nan),
   )
   return _multiply(x, chosen)
 

@@ -119,7 +119,11 @@ class Optimizer:
     return f"jaxamp.Optimizer(key={self._key}, params={jax.tree.structure(self.params)})"
 
 
-def updated(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any):
+def updated(
+  tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
+):
   """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``."""
-  updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **extra_args)
+  updates, opt_state = optax.with_extra_args_support(tx).update(
+    grads, opt_state, params, **extra_args
+  )
   return optax.apply_updates(params, updates), opt_state

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp._exact import multiply_exact_either
-from jaxamp._validation import INT32_MAX, INT32_MIN
+from jaxamp._config import INT32_MAX, INT32_MIN
 
 
 def _is_nonzero(x: jax.Array) -> jax.Array:
@@ -21,17 +21,17 @@ def _is_nonzero(x: jax.Array) -> jax.Array:
 
 
 def update_loss_scale(
-    loss_scale: jax.Array,
-    growth_tracker: jax.Array,
-    found_inf: jax.Array,
-    *,
-    growth_factor: float | jax.Array = 2.0,
-    backoff_factor: float | jax.Array = 0.5,
-    growth_interval: int | jax.Array = 2000,
+  loss_scale: jax.Array,
+  growth_tracker: jax.Array,
+  found_inf: jax.Array,
+  *,
+  growth_factor: float | jax.Array = 2.0,
+  backoff_factor: float | jax.Array = 0.5,
+  growth_interval: int | jax.Array = 2000,
 ) -> tuple[jax.Array, jax.Array]:
   """Returns the new ``(loss_scale, growth_tracker)`` after one update.
 
-  Exactly torch's ``_amp_update_scale_`` (SPEC 3.3)::
+  Exactly torch's ``_amp_update_scale_`` (docs/torch_semantics.md §3.3)::
 
     if found_inf:                      # any non-zero value, NaN included
       scale, tracker = f32(f64(scale) * backoff_factor), 0
@@ -71,7 +71,7 @@ def update_loss_scale(
   found = _is_nonzero(jnp.asarray(found_inf))
   successful = growth_tracker + jnp.int32(1)  # wraps like torch's int32
   if isinstance(growth_interval, numbers.Integral) and not (
-      INT32_MIN <= growth_interval <= INT32_MAX
+    INT32_MIN <= growth_interval <= INT32_MAX
   ):
     reaches_interval = jnp.zeros([], bool)  # an int32 tracker never equals it
   else:
@@ -79,7 +79,7 @@ def update_loss_scale(
   grow = ~found & reaches_interval
   product = multiply_exact_either(loss_scale, found, backoff_factor, growth_factor)
   new_scale = jnp.where(
-      found, product, jnp.where(grow & jnp.isfinite(product), product, loss_scale)
+    found, product, jnp.where(grow & jnp.isfinite(product), product, loss_scale)
   )
   new_tracker = jnp.where(found | grow, jnp.int32(0), successful)
   return new_scale, new_tracker

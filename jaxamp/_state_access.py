@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._scaling import multiply_by_scale
 from jaxamp._transform import DynamicLossScaleState
 
 
@@ -15,7 +15,7 @@ def _is_loss_scale_state(x: Any) -> bool:
   return isinstance(x, DynamicLossScaleState)
 
 
-def _opt_state_of(holder: Any) -> Any:
+def opt_state_of(holder: Any) -> Any:
   """Accepts an optimizer state, or an object holding one in ``.opt_state``
   (``flax.nnx.Optimizer``, ``flax.training.train_state.TrainState``)."""
   if not isinstance(holder, tuple) and hasattr(holder, "opt_state"):
@@ -34,21 +34,21 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
     ValueError: there is no jaxamp state, or more than one.
   """
   found = [
-      node
-      for node in jax.tree.leaves(_opt_state_of(opt_state), is_leaf=_is_loss_scale_state)
-      if _is_loss_scale_state(node)
+    node
+    for node in jax.tree.leaves(opt_state_of(opt_state), is_leaf=_is_loss_scale_state)
+    if _is_loss_scale_state(node)
   ]
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
-        f"jaxamp: found {what} DynamicLossScaleState in the optimizer state; "
-        "expected exactly one. Build the optimizer with "
-        "jaxamp.dynamic_loss_scale(inner, ...) and wrap it once."
+      f"jaxamp: found {what} DynamicLossScaleState in the optimizer state; "
+      "expected exactly one. Build the optimizer with "
+      "jaxamp.dynamic_loss_scale(inner, ...) and wrap it once."
     )
   return found[0]
 
 
-def _array(field: Any) -> jax.Array:
+def field_array(field: Any) -> jax.Array:
   """The array in a state field, unwrapping an ``nnx`` variable if present."""
   (leaf,) = jax.tree.leaves(field)
   return leaf
@@ -59,20 +59,21 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
-    >>> tx = optax.chain(optax.add_decayed_weights(1e-4),
-    ...                  jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0))
+    >>> tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
+    ...     optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1)), init_scale=1024.0)
     >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(3)})))
     1024.0
   """
-  return _array(find_loss_scale_state(opt_state).loss_scale)
+  return field_array(find_loss_scale_state(opt_state).loss_scale)
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-  """``loss * loss_scale`` computed in float32, whatever the loss dtype.
+  """``loss * loss_scale``, in float32 for a float16/bfloat16/float32 loss.
 
   A float16 loss times the default scale 65536 would be inf in float16; the
-  product here is float32 (as torch's 0-dim float16 loss times its float32
-  scale). Differentiate this and pass the gradients to the optimizer.
+  product here is float32, as torch's 0-dim float16 loss times its float32
+  scale (a float64 loss gives float64). The same product as
+  ``GradScaler.scale``. Differentiate this and pass the gradients to the optimizer.
 
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
@@ -80,7 +81,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> jaxamp.scale_loss(jnp.float16(2.0), state)
     Array(131072., dtype=float32)
   """
-  return jnp.asarray(loss).astype(jnp.float32) * get_loss_scale(opt_state)
+  return multiply_by_scale(loss, get_loss_scale(opt_state))
 
 
 def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
@@ -100,11 +101,13 @@ def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
     >>> jaxamp.nonfinite_leaf_paths(state, params)
     ["['dense']['b']"]
   """
-  flags = np.asarray(_array(find_loss_scale_state(opt_state).nonfinite_leaves))
-  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  flags = np.asarray(field_array(find_loss_scale_state(opt_state).nonfinite_leaves))
+  paths = [
+    jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
   if len(paths) != flags.size:
     raise ValueError(
-        f"jaxamp: params has {len(paths)} leaves but the jaxamp state tracks "
-        f"{flags.size}; pass the parameter tree the optimizer was initialised with."
+      f"jaxamp: params has {len(paths)} leaves but the jaxamp state tracks "
+      f"{flags.size}; pass the parameter tree the optimizer was initialised with."
     )
   return [path for path, flag in zip(paths, flags) if flag]

@@ -6,29 +6,47 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._distributed import all_reduce_found_inf
+from jaxamp._compile import call_compiled
 from jaxamp._state_access import find_loss_scale_state
-from jaxamp._unscale import known_flags, leaf_finite_flags, rounded, runtime_zero
+from jaxamp._transform import KNOWN_CHECK, DynamicLossScaleState, KnownCheck, check_gradients
+from jaxamp._unscale import rounded, runtime_zero
 from jaxamp._validation import check_float_gradients, check_same_structure
 
-_NOT_AS_GIVEN = (
-    "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
-    "the gradients as given (a transformation in front of it, or optax.MultiSteps "
-    "around it). Call tx.update and optax.apply_updates instead."
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+_IN_FRONT = (
+  "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
+  "the gradients as given ({}). Put other transformations inside it, "
+  "dynamic_loss_scale(optax.chain(...)), or call tx.update and optax.apply_updates instead."
 )
 
+
+def _check_sees_grads_as_given(opt_state: Any) -> None:
+  """Raises unless the jaxamp state is where its transformation receives the
+  gradients unchanged: bare, inside ``optax.inject_hyperparams``, or first in
+  ``optax.chain``, recursively."""
+  node = opt_state
+  while not isinstance(node, DynamicLossScaleState):
+    if isinstance(node, optax.MultiStepsState):
+      raise ValueError(_IN_FRONT.format("optax.MultiSteps around it accumulates them first"))
+    if isinstance(node, _INJECT_STATES):
+      node = node.inner_state
+    elif type(node) is tuple and node:  # optax.chain
+      node = node[0]
+    else:
+      raise ValueError(_IN_FRONT.format(f"it sits inside a {type(node).__name__}, not first"))
+
+
 def apply_scaled_updates(
-    tx: optax.GradientTransformation,
-    grads: Any,
-    opt_state: optax.OptState,
-    params: Any,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
-    **extra_args: Any,
+  tx: optax.GradientTransformation,
+  grads: Any,
+  opt_state: optax.OptState,
+  params: Any,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+  **extra_args: Any,
 ) -> tuple[Any, optax.OptState]:
   """``tx.update`` and ``optax.apply_updates`` in one call, skipped as a whole on inf/NaN.
 
@@ -43,8 +61,10 @@ def apply_scaled_updates(
   contraction inside the optimizer's own arithmetic), as two ways of writing
   the same optax step may.
 
-  ``tx`` holds a :func:`dynamic_loss_scale` (bare or inside ``optax.chain``,
-  ``optax.inject_hyperparams``) that receives ``grads`` unchanged. The
+  ``tx`` holds a :func:`dynamic_loss_scale` that receives ``grads`` unchanged:
+  bare, inside ``optax.inject_hyperparams``, or first in ``optax.chain``;
+  anything else (a transformation in front of it, ``optax.MultiSteps`` around
+  it) is refused, since the gradients it would check are not these. The
   gradients are checked once; the step then runs in a ``lax.cond``: on finite
   gradients the whole update (unscale, inner optimizer, ``apply_updates``)
   compiles to one branch that XLA fuses, with no materialised updates and no
@@ -60,17 +80,17 @@ def apply_scaled_updates(
     grads: gradients of the scaled loss, a tree like ``params``.
     opt_state: ``tx``'s state.
     params: the parameters to update.
-    axis_name: under ``jax.shard_map``, the same ``axis_name`` as given to
-      :func:`dynamic_loss_scale`, so every device takes the same branch.
+    axis_name: optional: the transform's ``axis_name`` is used (every device
+      then takes the same branch); if given, it must be the same.
     **extra_args: forwarded to ``tx.update``.
 
   Returns:
     ``(new_params, new_opt_state)``.
 
   Raises:
-    ValueError: ``opt_state`` holds no jaxamp state, or ``tx`` does not check
-      ``grads`` as given (e.g. ``optax.MultiSteps`` around it: then call
-      ``tx.update`` and ``optax.apply_updates``).
+    ValueError: ``opt_state`` holds no jaxamp state; ``tx`` does not check
+      ``grads`` as given (then call ``tx.update`` and ``optax.apply_updates``);
+      another ``axis_name`` than the transform's.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -86,26 +106,35 @@ def apply_scaled_updates(
     [0.800000011920929, 0.8999999761581421]
   """
   scale_state = find_loss_scale_state(opt_state)
-  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
-  if any(is_multi(x) for x in jax.tree.leaves(opt_state, is_leaf=is_multi)):
-    raise ValueError(_NOT_AS_GIVEN)
+  config = scale_state.config
+  if axis_name is not None and axis_name != config.axis_name:
+    raise ValueError(
+      f"jaxamp.apply_scaled_updates: axis_name={axis_name!r} but the dynamic_loss_scale "
+      f"in tx was built with axis_name={config.axis_name!r}; the devices would take "
+      "different branches. Leave axis_name out here: the transform's is used."
+    )
+  if config.enabled:
+    _check_sees_grads_as_given(opt_state)
   check_float_gradients(grads)
   check_same_structure(grads, params)
-  flags = leaf_finite_flags(grads)
-  if axis_name is not None:
-    flags = ~all_reduce_found_inf(~flags, scale_state, axis_name)
-  found_inf = ~jnp.all(flags)
-  uses = []
+  return call_compiled(_apply_scaled_updates, tx, grads, opt_state, params, extra_args)
 
-  def update(params, opt_state, known, found):
-    with known_flags(grads, known, found) as substituted:
-      updates, new_state = tx.update(grads, opt_state, params, **extra_args)
-    uses.append(substituted.uses)
-    return updates, new_state
+
+def _apply_scaled_updates(tx, grads, opt_state, params, extra_args):
+  scale_state = find_loss_scale_state(opt_state)
+  config = scale_state.config
+  if not config.enabled:  # a disabled scaler checks nothing and never skips
+    updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), new_state
+  nonfinite, found_inf = check_gradients(grads, scale_state, config)
+
+  def update(params, opt_state, found_inf):
+    check = KnownCheck(nonfinite, found_inf)
+    return tx.update(grads, opt_state, params, **extra_args, **{KNOWN_CHECK: check})
 
   def skip(params, opt_state):
-    # found_inf is a constant here, so XLA drops the transform's own lax.cond.
-    _, new_state = update(params, opt_state, flags, True)
+    # found_inf is a constant here, so the transform runs no lax.cond of its own.
+    _, new_state = update(params, opt_state, True)
     return params, new_state
 
   def apply(params, opt_state):
@@ -116,16 +145,10 @@ def apply_scaled_updates(
     # this one is doubled so that XLA cannot cancel the two XORs of an
     # identity optimizer, (b ^ z) ^ z = b.)
     zero = runtime_zero(scale_state.loss_scale) * 2
-    updates, new_state = update(params, opt_state, jnp.ones(flags.shape, bool), False)
+    updates, new_state = update(params, opt_state, False)
     updates = jax.tree.map(functools.partial(rounded, zero=zero), updates)
     return optax.apply_updates(params, updates), new_state
 
   # params and opt_state are the branches' operands, so a donated buffer is
   # updated in place, and a skipped step leaves it untouched without a copy.
-  new_params, new_state = lax.cond(~found_inf, apply, skip, params, opt_state)
-  if uses and all(n == 1 for n in uses):  # both branches (one under disable_jit)
-    return new_params, new_state
-  if not any(uses):  # a disabled scaler checks nothing and never skips
-    updates, new_state = tx.update(grads, opt_state, params, **extra_args)
-    return optax.apply_updates(params, updates), new_state
-  raise ValueError(_NOT_AS_GIVEN)
+  return lax.cond(~found_inf, apply, skip, params, opt_state)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxamp._finite import leaf_finite_flags
 from jaxamp._validation import check_float_gradients
 
 
 def inverse_scale(loss_scale: jax.Array) -> jax.Array:
-  """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale`` (SPEC 3.1).
+  """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale`` (docs/torch_semantics.md §3.1).
 
   For a normal float32 scale this is the correctly rounded float32 division.
   A subnormal scale (which XLA would read as zero) is handled exactly from its
@@ -43,48 +41,6 @@ def _unscale_leaf(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
   return jnp.where(inv_scale == 1.0, grad, product)  # torch's inv == 1 shortcut
 
 
-class KnownFlags:
-  """Per-leaf finiteness already computed for ``grads`` (see :func:`known_flags`)."""
-
-  def __init__(self, grads: Any, flags: jax.Array, found_inf: bool):
-    self.leaves, self.flags, self.found_inf, self.uses = jax.tree.leaves(grads), flags, found_inf, 0
-
-
-_KNOWN_FLAGS: contextvars.ContextVar[KnownFlags | None] = contextvars.ContextVar(
-    "jaxamp_known_flags", default=None
-)
-
-
-@contextlib.contextmanager
-def known_flags(grads: Any, flags: jax.Array, found_inf: bool):
-  """While tracing, ``dynamic_loss_scale`` given these very ``grads`` (the
-  same tracers) takes ``flags`` and ``found_inf`` instead of checking them.
-
-  ``jaxamp.apply_scaled_updates`` traces the update in the branches of its own
-  ``lax.cond`` on the flags; a Python ``found_inf`` in each branch lets the
-  transform emit no ``lax.cond`` of its own, so XLA fuses the whole update.
-  Yields the :class:`KnownFlags`, whose ``uses`` counts the substitutions.
-  """
-  known = KnownFlags(grads, flags, found_inf)
-  token = _KNOWN_FLAGS.set(known)
-  try:
-    yield known
-  finally:
-    _KNOWN_FLAGS.reset(token)
-
-
-def known_for(grads: Any) -> KnownFlags | None:
-  """The :class:`KnownFlags` given for these very ``grads``, counting the use."""
-  known = _KNOWN_FLAGS.get()
-  if known is None:
-    return None
-  leaves = jax.tree.leaves(grads)
-  if len(leaves) != len(known.leaves) or any(a is not b for a, b in zip(leaves, known.leaves)):
-    return None
-  known.uses += 1
-  return known
-
-
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 
@@ -108,84 +64,13 @@ def rounded(x: Any, zero: jax.Array) -> Any:
   if x is None:
     return None
   bits = _BITS[x.dtype.itemsize]
-  return lax.bitcast_convert_type(
-      lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype
-  )
-
-
-_GROUP = 8  # same-size leaves per reduction: the fastest measured (BENCHMARKS.md)
-
-
-def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
-  """One variadic reduction over same-size leaves: ``all(isfinite(g))`` for each.
-
-  XLA CPU keeps one accumulator per leaf in a single loop instead of a
-  sequential loop per leaf: at 200 leaves of 125,000 elements 4.1 ms instead
-  of 10.4 (float32), 2.7 instead of 9.5 (float16), and it compiles faster.
-  """
-  flags = lax.reduce(
-      tuple(jnp.isfinite(g.reshape(-1)) for g in grads),  # a reshape is free
-      (jnp.bool_(True),) * len(grads),
-      _and_each(len(grads)),
-      (0,),
-  )
-  return list(flags)
-
-
-@functools.cache
-def _and_each(n: int):
-  """The reduction of :func:`_group_is_finite`, one function per arity: JAX
-  caches the reduction's jaxpr (and, outside ``jit``, its compiled kernel) by
-  this function, so a new lambda per call would recompile it every eager call."""
-
-  def and_each(acc, x):
-    return tuple(a & b for a, b in zip(acc, x))
-
-  return and_each
-
-
-def _alone_is_finite(grad: jax.Array) -> jax.Array:
-  """``all(isfinite(grad))`` for a leaf of a size no other leaf has.
-
-  Its two halves go through one variadic reduction, like a group: 1.6-2.5x
-  faster than one reduction over the whole leaf on XLA CPU, and, unlike
-  ``all(isfinite(g))`` or ``isfinite(sum(g * 0))``, it writes no temporary
-  of the leaf's size for any dtype (BENCHMARKS.md, "Check formulations").
-  """
-  flat = grad.reshape(-1)
-  half = flat.size // 2
-  first, second = _group_is_finite([flat[:half], flat[half : 2 * half]])
-  finite = first & second
-  return finite & jnp.isfinite(flat[-1]) if flat.size % 2 else finite
-
-
-def leaf_finite_flags(tree: Any) -> jax.Array:
-  """Per array leaf (in ``jax.tree.leaves`` order), whether it is all finite."""
-  leaves = jax.tree.leaves(tree)
-  flags: list[Any] = [None] * len(leaves)
-  same_size: dict[tuple[int, Any], list[int]] = {}
-  for i, leaf in enumerate(leaves):
-    same_size.setdefault((leaf.size, jnp.dtype(leaf.dtype)), []).append(i)
-  for indices in same_size.values():
-    for start in range(0, len(indices), _GROUP):
-      group = indices[start : start + _GROUP]
-      if len(group) == 1:
-        flags[group[0]] = _alone_is_finite(leaves[group[0]])
-      else:
-        for i, flag in zip(group, _group_is_finite([leaves[i] for i in group])):
-          flags[i] = flag
-  return jnp.stack(flags) if flags else jnp.ones([0], bool)
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every array leaf is finite (``None`` skipped)."""
-  return jnp.all(leaf_finite_flags(tree))
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
 
 
 def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """Unscales ``grads`` and reports whether they held inf or NaN.
 
-  What torch's ``_amp_foreach_non_finite_check_and_unscale_`` does (SPEC 3.2):
+  What torch's ``_amp_foreach_non_finite_check_and_unscale_`` does (docs/torch_semantics.md §3.2):
 
   * detection looks at the still-scaled input, so an overflow produced by the
     multiplication itself is not reported (as in torch);
@@ -227,3 +112,13 @@ def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, ja
   """:func:`unscale_and_check` with the finiteness of each leaf (bool ``[n]``)."""
   check_float_gradients(grads)
   return unscale(grads, loss_scale), leaf_finite_flags(grads)
+
+
+def finite_leaves(grads: Any, loss_scale: jax.Array, detect_unscale_overflow: bool) -> jax.Array:
+  """Per leaf, whether ``grads`` is finite: torch's check of the still-scaled
+  gradients, and with ``detect_unscale_overflow`` also of the unscaled ones
+  (torch misses a bfloat16 ``3e38`` that unscaling at 0.5 makes inf)."""
+  finite = leaf_finite_flags(grads)
+  if detect_unscale_overflow:
+    finite = finite & leaf_finite_flags(unscale(grads, loss_scale))
+  return finite

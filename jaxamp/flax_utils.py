@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from jaxamp._state_access import _array, find_loss_scale_state, get_loss_scale
+from jaxamp._scaling import multiply_by_scale
+from jaxamp._state_access import field_array, find_loss_scale_state, get_loss_scale
 from jaxamp._train_step import apply_scaled_updates
 
 _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
@@ -182,7 +183,7 @@ def scaled_value_and_grad(
       loss, aux = out, None
     _check_loss(loss, has_aux)
     scale = get_loss_scale(opt_state_or_optimizer)
-    return jnp.asarray(loss).astype(jnp.float32) * scale, (loss, aux)
+    return multiply_by_scale(loss, scale), (loss, aux)
 
   transform = nnx.value_and_grad if is_nnx else jax.value_and_grad
   grad_fn = transform(scaled_fn, argnums=argnums, has_aux=True)
@@ -228,10 +229,10 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
   """
   state = find_loss_scale_state(opt_state_or_optimizer)
   return {
-    "loss_scale": _array(state.loss_scale),
-    "skipped": _array(state.found_inf),
-    "skipped_steps": _array(state.skipped_steps),
-    "consecutive_skipped_steps": _array(state.consecutive_skipped_steps),
+    "loss_scale": field_array(state.loss_scale),
+    "skipped": field_array(state.found_inf),
+    "skipped_steps": field_array(state.skipped_steps),
+    "consecutive_skipped_steps": field_array(state.consecutive_skipped_steps),
   }
 
 
@@ -354,6 +355,4 @@ def apply_gradients(
     }
   else:
     new_params = new_params_with_opt
-  return state.replace(
-    step=state.step + 1, params=new_params, opt_state=new_opt_state, **kwargs
-  )
+  return state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state, **kwargs)

@@ -194,6 +194,11 @@ GOOD = {
     ),
     ({**GOOD, "_growth_tracker": -(2**31) - 1}, RuntimeError, "type int without overflow"),
     ([("scale", 2.0)], TypeError, "must be a mapping"),
+    # torch loads these; a NaN or zero scale then skips (or zeroes) every later step.
+    *[
+      ({**GOOD, "scale": bad}, ValueError, "scale must be a finite positive number")
+      for bad in (float("nan"), float("inf"), -float("inf"), 0.0, -2.0, 1e-50)
+    ],
   ],
 )
 def test_load_state_dict_bad_input_raises_and_loads_nothing(bad, error, match):
@@ -233,15 +238,53 @@ def test_load_state_dict_accepts_numpy_numbers_and_extremes():
 
 
 def test_load_state_dict_checks_given_hyperparameters():
-  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init(jnp.ones(2))
-  with pytest.raises(ValueError, match="growth_factor=2.0 but the optimizer was built with 1.5"):
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), growth_interval=10).init(jnp.ones(2))
+  with pytest.raises(ValueError, match="growth_factor=1.5 but the optimizer uses 2.0"):
     jaxamp.load_state_dict(state, GOOD, growth_factor=1.5)
   loaded = jaxamp.load_state_dict(state, GOOD, growth_factor=2.0, growth_interval=10)
   assert jaxamp.state_dict(loaded, growth_interval=10) == GOOD
 
 
+@pytest.mark.parametrize("front", ["load", "save"])
+def test_checkpoint_functions_refuse_hyperparameters_not_in_use(front):
+  # The state records what its transformation was built with: a dict (or a
+  # keyword) with other values would continue the run with other hyperparameters.
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), growth_factor=3.0).init(jnp.ones(2))
+  before = jax.tree.leaves(state)
+  with pytest.raises(ValueError, match="growth_factor=2.0 but the optimizer uses 3.0"):
+    if front == "load":
+      jaxamp.load_state_dict(state, GOOD)
+    else:
+      jaxamp.state_dict(state, growth_factor=2.0)
+  assert jax.tree.leaves(state) == before
+  assert jaxamp.state_dict(state)["growth_factor"] == 3.0
+
+
+def test_state_dict_records_the_hyperparameters_of_inject_hyperparams():
+  tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
+    optax.sgd(0.1), growth_factor=3.0, growth_interval=10
+  )
+  state = tx.init(jnp.ones(2))
+  state.hyperparams["growth_interval"] = jnp.asarray(7)
+  saved = jaxamp.state_dict(state)
+  assert (saved["growth_factor"], saved["growth_interval"]) == (3.0, 7)
+  with pytest.raises(ValueError, match="growth_interval=10 but the optimizer uses 7"):
+    jaxamp.load_state_dict(state, {**saved, "growth_interval": 10})
+
+
+def test_state_dict_refuses_an_unrecordable_array_hyperparameter():
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), growth_factor=jnp.float32(3.0)).init(
+    jnp.ones(2)
+  )
+  with pytest.raises(ValueError, match="growth_factor was given to dynamic_loss_scale as an array"):
+    jaxamp.state_dict(state)
+
+
 def test_load_state_dict_keeps_other_fields_and_structure():
-  tx = optax.chain(optax.add_decayed_weights(1e-4), jaxamp.dynamic_loss_scale(optax.adam(0.1)))
+  tx = optax.chain(
+    optax.add_decayed_weights(1e-4),
+    jaxamp.dynamic_loss_scale(optax.adam(0.1), growth_interval=10),
+  )
   params = {"w": jnp.array([1.0, 2.0])}
   state = tx.init(params)
   _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
@@ -264,7 +307,8 @@ def test_load_state_dict_takes_the_state_not_its_holder():
 
 def test_load_state_dict_keeps_nnx_variables():
   model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jaxamp.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), growth_interval=10)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   loaded = jaxamp.load_state_dict(optimizer.opt_state, GOOD)
   assert jax.tree.structure(loaded) == jax.tree.structure(optimizer.opt_state)
   field = jaxamp.find_loss_scale_state(loaded).loss_scale

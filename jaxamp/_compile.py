@@ -1,0 +1,50 @@
+"""Compiled once: run a function jitted per static configuration and argument shapes.
+
+A ``lax.cond`` of fresh closures run outside ``jit`` compiles on every call;
+the front-ends call their steps through :func:`call_compiled`, so an eager
+training loop compiles each step once. Inside ``jit`` the call is traced
+inline like any nested ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _compiled(fn: Callable, static: Hashable, treedef: Any, others: tuple, arrays: list) -> Any:
+  leaves = list(arrays)
+  for index, value in others:
+    leaves.insert(index, value)
+  return fn(static, *jax.tree.unflatten(treedef, leaves))
+
+
+def _hashable(value: Any) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
+def call_compiled(fn: Callable, static: Hashable, *args: Any) -> Any:
+  """``fn(static, *args)``, compiled once per ``fn``, ``static`` and argument shapes.
+
+  Array leaves of ``args`` (NumPy arrays included) are traced; any other leaf
+  (a Python number or a callable extra argument) is static, as given, so each
+  new value compiles once. Where a static part is unhashable, ``fn`` is traced
+  on every call instead.
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  arrays = [leaf for leaf in leaves if isinstance(leaf, _ARRAY_LIKE)]
+  others = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, _ARRAY_LIKE))
+  if not (_hashable(static) and _hashable(treedef) and _hashable(others)):
+    return fn(static, *args)
+  return _compiled(fn, static, treedef, others, arrays)

@@ -1,0 +1,275 @@
+"""The loss-scale configuration: hyperparameters and options, checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLT_MAX = float(np.finfo(np.float32).max)
+FLT_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT_OVERFLOW_MESSAGE = "value cannot be converted to type float without overflow"
+
+# The numeric fields that optax.inject_hyperparams may give as arrays.
+NUMERIC_FIELDS = (
+  "init_scale",
+  "growth_factor",
+  "backoff_factor",
+  "growth_interval",
+  "min_loss_scale",
+  "max_loss_scale",
+  "hysteresis",
+  "max_consecutive_skips",
+)
+
+
+class _Injected:
+  """Stands in, in a state's record of its configuration, for an array value."""
+
+  def __repr__(self) -> str:
+    return "<injected>"
+
+
+INJECTED = _Injected()
+
+
+def _key(value: Any) -> Any:
+  """A hashable, self-equal stand-in for a configuration value (NaN included)."""
+  if isinstance(value, float):
+    return (float, value.hex())
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return (type(value), id(value))
+  return (type(value), value)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossScaleConfig:
+  """Everything a loss scaler is built with; the defaults are torch's.
+
+  Numbers are Python numbers, used exactly (float64 factors, as torch), or,
+  in :func:`~jaxamp.dynamic_loss_scale` under ``optax.inject_hyperparams``,
+  arrays. Build it with :func:`loss_scale_config`, which checks every field.
+  A JAX pytree with no leaves, compared by value, so it can live in a state.
+  """
+
+  init_scale: Any = 2.0**16
+  growth_factor: Any = 2.0
+  backoff_factor: Any = 0.5
+  growth_interval: Any = 2000
+  enabled: bool = True
+  axis_name: str | tuple[str, ...] | None = None
+  min_loss_scale: Any = None
+  max_loss_scale: Any = None
+  hysteresis: Any = 1
+  consecutive_hysteresis: bool = False
+  max_consecutive_skips: Any = None
+  detect_unscale_overflow: bool = False
+
+  def _values(self) -> tuple:
+    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, LossScaleConfig):
+      return NotImplemented
+    return tuple(map(_key, self._values())) == tuple(map(_key, other._values()))
+
+  def __hash__(self) -> int:
+    return hash(tuple(map(_key, self._values())))
+
+  def replace(self, **changes: Any) -> LossScaleConfig:
+    return dataclasses.replace(self, **changes)
+
+  def recorded(self) -> LossScaleConfig:
+    """This configuration with each array value replaced by ``INJECTED``."""
+    return self.replace(
+      **{name: INJECTED for name in NUMERIC_FIELDS if _is_array(getattr(self, name))}
+    )
+
+  def arrays(self) -> dict[str, Any]:
+    """The array-valued fields (injected hyperparameters), by name."""
+    return {name: getattr(self, name) for name in NUMERIC_FIELDS if _is_array(getattr(self, name))}
+
+
+def _is_array(value: Any) -> bool:
+  return isinstance(value, (jax.Array, np.ndarray))
+
+
+def _concrete(value: Any) -> Any:
+  """A Python number for a number or concrete array scalar; None when traced."""
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, jax.core.Tracer) or not _is_array(value):
+    return value
+  if value.shape != ():
+    raise ValueError(
+      f"jaxamp: a hyperparameter must be a scalar, got an array of shape {value.shape}."
+    )
+  return np.asarray(value).item()
+
+
+def python_number(name: str, value: Any, *, integer: bool = False) -> int | float:
+  """``value`` as a Python number (NumPy scalars converted), else a TypeError."""
+  kind = numbers.Integral if integer else numbers.Real
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
+    hint = ""
+    if isinstance(value, str):
+      hint = " jaxamp.GradScaler takes no device argument: drop it."
+    elif _is_array(value):
+      hint = " GradScaler keeps its hyperparameters as static Python numbers."
+    raise TypeError(
+      f"jaxamp: {name} must be {'an int' if integer else 'a real Python number'}, "
+      f"got {type(value).__name__} {value!r}.{hint}"
+    )
+  return value.item() if isinstance(value, np.generic) else value
+
+
+def _check_dtype(name: str, value: Any, *, integer: bool) -> None:
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    return
+  dtype = jnp.dtype(dtype)
+  if integer and not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"jaxamp: {name} must be an int, got an array of dtype {dtype}.")
+  if dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(
+      f"jaxamp: {name} arrived as {dtype.name}, which cannot hold loss-scale "
+      "values exactly (float16(65536) is inf). With optax.inject_hyperparams and "
+      "low-precision params, pass hyperparam_dtype=jnp.float32."
+    )
+
+
+def _real(name: str, value: Any) -> float | None:
+  """The concrete value of a real hyperparameter (None when traced)."""
+  _check_dtype(name, value, integer=False)
+  concrete = _concrete(value)
+  if concrete is None or isinstance(concrete, jax.core.Tracer):
+    return None
+  if isinstance(concrete, bool) or not isinstance(concrete, numbers.Real):
+    raise TypeError(
+      f"jaxamp: {name} must be a real Python number, got {type(value).__name__} {value!r}."
+    )
+  return concrete
+
+
+def _integer(name: str, value: Any, minimum: int | None) -> int | None:
+  """The concrete value of an int hyperparameter (None when traced), range-checked."""
+  _check_dtype(name, value, integer=True)
+  concrete = _concrete(value)
+  if concrete is None or isinstance(concrete, jax.core.Tracer):
+    return None
+  if isinstance(concrete, bool) or not isinstance(concrete, numbers.Integral):
+    raise TypeError(f"jaxamp: {name} must be an int, got {type(value).__name__} {value!r}.")
+  if minimum is not None and concrete < minimum:
+    raise ValueError(f"jaxamp: {name} must be >= {minimum}, got {concrete!r}.")
+  # An int32 counter must reach it; an int32 array must hold it (a Python int
+  # interval beyond int32 is torch's "never grows").
+  too_big = concrete > INT32_MAX and (minimum is not None or _is_array(value))
+  if too_big or (concrete < INT32_MIN and _is_array(value)):
+    raise ValueError(
+      f"jaxamp: {name}={concrete!r} does not fit the int32 counters; use at most {INT32_MAX}."
+    )
+  return concrete
+
+
+def check_scale(name: str, value: Any) -> float | None:
+  """A loss scale: finite, positive and nonzero in float32 (None when traced)."""
+  scale = _real(name, value)
+  if scale is None:
+    return None
+  if math.isfinite(scale) and abs(scale) > FLT_MAX:
+    raise ValueError(
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: {name}={scale!r} is larger than the float32 maximum)"
+    )
+  rounded = float(np.float32(scale))
+  if not (math.isfinite(rounded) and rounded > 0.0):
+    raise ValueError(
+      f"jaxamp: {name} must be a finite positive number representable in float32, "
+      f"got {scale!r} (float32: {rounded!r})."
+    )
+  return scale
+
+
+def _check_bound(name: str, value: Any) -> float | None:
+  bound = _real(name, value)
+  if bound is not None and not (0 < bound <= FLT_MAX and np.float32(bound) >= FLT_MIN_NORMAL):
+    raise ValueError(
+      f"jaxamp: {name} must be a finite positive float32 number of at least "
+      f"{FLT_MIN_NORMAL!r} (XLA flushes smaller ones to zero), got {bound!r}."
+    )
+  return bound
+
+
+def _check_axis_name(axis_name: Any) -> None:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if axis_name is not None and not (names and all(isinstance(n, str) for n in names)):
+    raise TypeError(
+      f"jaxamp: axis_name must be a mesh axis name (a str) or a tuple of them, got {axis_name!r}."
+    )
+
+
+def _check_flag(name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"jaxamp: {name} must be True or False, got {value!r}.")
+
+
+def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig:
+  """Checks ``values`` and returns them as a :class:`LossScaleConfig`.
+
+  Every concrete value is checked; traced ones (``optax.inject_hyperparams``
+  inside ``jit``) cannot be. A disabled configuration is not checked beyond
+  its flags, as torch does not check a disabled scaler. With ``static`` (the
+  ``GradScaler``), every number must be a Python number.
+
+  Raises:
+    TypeError: a value of the wrong kind. ValueError: a value out of range,
+      or options that contradict each other.
+  """
+  config = LossScaleConfig(**values)
+  _check_flag("enabled", config.enabled)
+  if not config.enabled:
+    return config
+  for name in ("consecutive_hysteresis", "detect_unscale_overflow"):
+    _check_flag(name, getattr(config, name))
+  _check_axis_name(config.axis_name)
+  if static:
+    integers = ("growth_interval", "hysteresis", "max_consecutive_skips")
+    config = config.replace(
+      **{
+        name: python_number(name, getattr(config, name), integer=name in integers)
+        for name in NUMERIC_FIELDS
+        if getattr(config, name) is not None
+      }
+    )
+  if config.growth_factor is None or config.backoff_factor is None:
+    raise TypeError("jaxamp: growth_factor and backoff_factor must be numbers, got None.")
+  scale = check_scale("init_scale", config.init_scale)
+  growth = _real("growth_factor", config.growth_factor)
+  if growth is not None and not (growth > 1.0 and math.isfinite(growth)):
+    raise ValueError(f"The growth factor must be > 1.0. (jaxamp: got {growth!r})")
+  backoff = _real("backoff_factor", config.backoff_factor)
+  if backoff is not None and backoff >= 1.0:
+    raise ValueError(f"The backoff factor must be < 1.0. (jaxamp: got {backoff!r})")
+  if backoff is not None and not backoff > 0.0:
+    raise ValueError(f"jaxamp: the backoff factor must be > 0.0, got {backoff!r}.")
+  _integer("growth_interval", config.growth_interval, None)
+  low = _check_bound("min_loss_scale", config.min_loss_scale)
+  high = _check_bound("max_loss_scale", config.max_loss_scale)
+  if low is not None and high is not None and low > high:
+    raise ValueError(
+      f"jaxamp: min_loss_scale ({low!r}) must not be above max_loss_scale ({high!r})."
+    )
+  if scale is not None and low is not None and scale < low:
+    raise ValueError(f"jaxamp: init_scale {scale!r} is below min_loss_scale {low!r}.")
+  if scale is not None and high is not None and scale > high:
+    raise ValueError(f"jaxamp: init_scale {scale!r} is above max_loss_scale {high!r}.")
+  _integer("hysteresis", config.hysteresis, 1)
+  if config.max_consecutive_skips is not None:
+    _integer("max_consecutive_skips", config.max_consecutive_skips, 1)
+  return config

@@ -1,0 +1,142 @@
+"""The loss-scale core shared by both front-ends: its state and the one step that advances it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp._config import LossScaleConfig
+from jaxamp._scale_update import update_loss_scale
+
+
+class LossScaleCore(NamedTuple):
+  """The state of a loss scaler, arrays only (``int32`` counters saturate).
+
+  Attributes:
+    loss_scale: the scale the next loss is multiplied by, float32 ``[]``.
+    growth_tracker: consecutive finite updates since the last growth or
+      backoff, int32 ``[]`` (torch's ``_growth_tracker``).
+    hysteresis_tracker: overflowing updates still tolerated before a backoff,
+      int32 ``[]`` (always 1 with ``hysteresis=1``: torch backs off at once).
+    found_inf: whether the last update found inf/NaN, bool ``[]``.
+    update_count: updates so far, skipped or not, int32 ``[]``.
+    skipped_steps: updates that found inf/NaN, int32 ``[]``.
+    consecutive_skipped_steps: such updates since the last finite one, int32 ``[]``.
+  """
+
+  loss_scale: jax.Array
+  growth_tracker: jax.Array
+  hysteresis_tracker: jax.Array
+  found_inf: jax.Array
+  update_count: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skipped_steps: jax.Array
+
+
+def scale_array(scale: object) -> jax.Array:
+  """``float32(scale)`` rounded to nearest, as torch's ``fill_`` (a checked scale)."""
+  if isinstance(scale, (jax.Array, np.ndarray)):
+    return jnp.asarray(scale, jnp.float32)
+  return jnp.asarray(np.float32(scale))
+
+
+def int32_array(value: object) -> jax.Array:
+  return jnp.asarray(value, jnp.int32)
+
+
+def init_core(config: LossScaleConfig) -> LossScaleCore:
+  """The core before the first update: ``init_scale`` (1 when disabled), zero counters."""
+  # A fresh array per field: a state donated to jit must hold no buffer twice.
+  return LossScaleCore(
+    loss_scale=scale_array(config.init_scale if config.enabled else 1.0),
+    growth_tracker=int32_array(0),
+    hysteresis_tracker=int32_array(config.hysteresis),
+    found_inf=jnp.zeros([], bool),
+    update_count=int32_array(0),
+    skipped_steps=int32_array(0),
+    consecutive_skipped_steps=int32_array(0),
+  )
+
+
+def _count_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
+  """``counter + 1`` where ``condition`` holds, saturating at the int32 maximum."""
+  return jnp.where(condition, optax.safe_increment(counter), counter)
+
+
+def advance(core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig) -> LossScaleCore:
+  """The core after one update that found (or did not find) inf/NaN.
+
+  torch's rule (:func:`~jaxamp.update_loss_scale`) with the options::
+
+    back_off = found_inf and hysteresis_tracker <= 1
+    scale, tracker = update_loss_scale(scale, tracker, found_inf)   # torch
+    if found_inf and not back_off: scale = old scale                # absorbed
+    scale = clip(scale, min_loss_scale, max_loss_scale)
+    hysteresis_tracker: refilled to ``hysteresis`` on a growth attempt (on
+      every finite update with ``consecutive_hysteresis``), decremented by an
+      absorbed overflow, kept on a backoff.
+
+  The counters advance, and reaching ``max_consecutive_skips`` raises from the
+  computation. With the defaults this is exactly torch's ``_amp_update_scale_``.
+  """
+  found_inf = jnp.asarray(found_inf, bool)
+  back_off = found_inf & (core.hysteresis_tracker <= 1)
+  scale, tracker = update_loss_scale(
+    core.loss_scale,
+    core.growth_tracker,
+    found_inf,
+    growth_factor=config.growth_factor,
+    backoff_factor=config.backoff_factor,
+    growth_interval=config.growth_interval,
+  )
+  scale = jnp.where(found_inf & ~back_off, core.loss_scale, scale)
+  if config.min_loss_scale is not None:
+    scale = jnp.maximum(scale, scale_array(config.min_loss_scale))
+  if config.max_loss_scale is not None:
+    scale = jnp.minimum(scale, scale_array(config.max_loss_scale))
+  refill = ~found_inf if config.consecutive_hysteresis else ~found_inf & (tracker == 0)
+  absorbed = (found_inf & ~back_off).astype(jnp.int32)
+  hysteresis = jnp.where(refill, int32_array(config.hysteresis), core.hysteresis_tracker - absorbed)
+  new = LossScaleCore(
+    loss_scale=scale,
+    growth_tracker=tracker,
+    hysteresis_tracker=hysteresis,
+    found_inf=found_inf,
+    update_count=_count_if(True, core.update_count),
+    skipped_steps=_count_if(found_inf, core.skipped_steps),
+    consecutive_skipped_steps=jnp.where(
+      found_inf, _count_if(True, core.consecutive_skipped_steps), 0
+    ),
+  )
+  if config.max_consecutive_skips is not None:
+    _check_skip_limit(new, config.max_consecutive_skips)
+  return new
+
+
+def _raise_too_many_skips(consecutive, step, scale, limit):
+  raise FloatingPointError(
+    f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
+    f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
+    f"update {int(step)}, with the loss scale now {float(scale)!r}. The loss itself "
+    "is probably inf/NaN; check the model and data, or lower the learning rate."
+  )
+
+
+def _check_skip_limit(core: LossScaleCore, limit) -> None:
+  """Raises from the computation when ``limit`` updates in a row were skipped
+  (a host callback that runs only on that update)."""
+  jax.lax.cond(
+    core.consecutive_skipped_steps >= limit,
+    lambda: jax.debug.callback(
+      _raise_too_many_skips,
+      core.consecutive_skipped_steps,
+      core.update_count,
+      core.loss_scale,
+      limit,
+    ),
+    lambda: None,
+  )

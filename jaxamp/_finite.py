@@ -1,0 +1,83 @@
+"""Checking a gradient tree for inf/NaN, leaf by leaf, in few reductions."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_GROUP = 8  # same-size leaves per reduction: the fastest measured (BENCHMARKS.md)
+
+
+def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
+  """One variadic reduction over same-size leaves: ``all(isfinite(g))`` for each.
+
+  XLA CPU then keeps one accumulator per leaf in a single loop instead of a
+  loop per leaf: faster, and faster to compile (BENCHMARKS.md, "Check formulations").
+  """
+  flags = lax.reduce(
+    tuple(jnp.isfinite(g.reshape(-1)) for g in grads),  # a reshape is free
+    (jnp.bool_(True),) * len(grads),
+    _and_each(len(grads)),
+    (0,),
+  )
+  return list(flags)
+
+
+@functools.cache
+def _and_each(n: int):
+  """The reduction of :func:`_group_is_finite`, one function per arity: JAX
+  caches the reduction's jaxpr (and, outside ``jit``, its compiled kernel) by
+  this function, so a new lambda per call would recompile it every eager call."""
+
+  def and_each(acc, x):
+    return tuple(a & b for a, b in zip(acc, x))
+
+  return and_each
+
+
+def _alone_is_finite(grad: jax.Array) -> jax.Array:
+  """``all(isfinite(grad))`` for a leaf of a size no other leaf has.
+
+  Its two halves go through one variadic reduction, like a group: faster than
+  one reduction over the whole leaf on XLA CPU, and, unlike
+  ``all(isfinite(g))`` or ``isfinite(sum(g * 0))``, it writes no temporary of
+  the leaf's size for any dtype (BENCHMARKS.md, "Check formulations").
+  """
+  flat = grad.reshape(-1)
+  half = flat.size // 2
+  first, second = _group_is_finite([flat[:half], flat[half : 2 * half]])
+  finite = first & second
+  return finite & jnp.isfinite(flat[-1]) if flat.size % 2 else finite
+
+
+def leaf_finite_flags(tree: Any) -> jax.Array:
+  """Per array leaf (in ``jax.tree.leaves`` order), whether it is all finite."""
+  leaves = jax.tree.leaves(tree)
+  flags: list[Any] = [None] * len(leaves)
+  same_size: dict[tuple[int, Any], list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    same_size.setdefault((leaf.size, jnp.dtype(leaf.dtype)), []).append(i)
+  for indices in same_size.values():
+    for start in range(0, len(indices), _GROUP):
+      group = indices[start : start + _GROUP]
+      if len(group) == 1:
+        flags[group[0]] = _alone_is_finite(leaves[group[0]])
+      else:
+        for i, flag in zip(group, _group_is_finite([leaves[i] for i in group])):
+          flags[i] = flag
+  return jnp.stack(flags) if flags else jnp.ones([0], bool)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every array leaf is finite (``None`` skipped).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> bool(jaxamp.all_finite({"w": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+    False
+  """
+  return jnp.all(leaf_finite_flags(tree))
