@@ -1,6 +1,7 @@
 """jaxamp: torch's automatic-mixed-precision GradScaler for JAX, bit for bit."""
 
 from jaxamp._checkpoint import load_state_dict, state_dict
+from jaxamp._finite import all_finite
 from jaxamp._grad_scaler import GradScaler
 from jaxamp._optimizer import Optimizer
 from jaxamp._scale_update import update_loss_scale
@@ -12,7 +13,6 @@ from jaxamp._state_access import (
 )
 from jaxamp._train_step import apply_scaled_updates
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
-from jaxamp._finite import all_finite
 from jaxamp._unscale import inverse_scale, unscale_and_check
 
 __version__ = "0.1.0"

@@ -219,9 +219,11 @@ def state_dict(
     {'scale': 3.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 10, '_growth_tracker': 0}
   """
   in_use = hyperparameters_in_use(opt_state)
-  given = dict(
-    growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
-  )
+  given = {
+    "growth_factor": growth_factor,
+    "backoff_factor": backoff_factor,
+    "growth_interval": growth_interval,
+  }
   _check_hyperparameters(in_use, given, "the call")
   loss_scale_state = find_loss_scale_state(opt_state)
   return {
@@ -291,9 +293,11 @@ def load_state_dict(
       "optimizer.opt_state) and returns a new one."
     )
   in_use = hyperparameters_in_use(opt_state)
-  given = dict(
-    growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
-  )
+  given = {
+    "growth_factor": growth_factor,
+    "backoff_factor": backoff_factor,
+    "growth_interval": growth_interval,
+  }
   _check_hyperparameters(in_use, given, "the call")
   _check_hyperparameters(
     in_use, {name: checked[name] for name in HYPERPARAMETERS}, "the state dict"

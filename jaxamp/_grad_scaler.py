@@ -133,7 +133,7 @@ def _key_of(optimizer: Any) -> int:
 
 def _checked_new_scale(new_scale: Any) -> jax.Array:
   """``update(new_scale=...)``: a finite scalar float, as a float32 array."""
-  if isinstance(new_scale, (bool, np.bool_)) or isinstance(new_scale, numbers.Integral):
+  if isinstance(new_scale, (bool, np.bool_, numbers.Integral)):
     raise TypeError(
       "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
       f"{type(new_scale).__name__} {new_scale!r} (torch raises AttributeError "

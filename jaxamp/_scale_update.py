@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._exact import multiply_exact_either
 from jaxamp._config import INT32_MAX, INT32_MIN
+from jaxamp._exact import multiply_exact_either
 
 
 def _is_nonzero(x: jax.Array) -> jax.Array:

@@ -27,10 +27,10 @@ def _check_sees_grads_as_given(opt_state: Any) -> None:
   """Raises unless the jaxamp state is where its transformation receives the
   gradients unchanged: bare, inside ``optax.inject_hyperparams``, or first in
   ``optax.chain``, recursively."""
-  node = opt_state
+  node = opt_state  # a layout, not a type, is wrong here: ValueError, as documented
   while not isinstance(node, DynamicLossScaleState):
     if isinstance(node, optax.MultiStepsState):
-      raise ValueError(_IN_FRONT.format("optax.MultiSteps around it accumulates them first"))
+      raise ValueError(_IN_FRONT.format("optax.MultiSteps around it accumulates them first"))  # noqa: TRY004
     if isinstance(node, _INJECT_STATES):
       node = node.inner_state
     elif type(node) is tuple and node:  # optax.chain
