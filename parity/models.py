@@ -345,7 +345,7 @@ def cnn_digits(seed: int = 3, compute_dtype: str = "float32") -> Pair:
 
 
 # ---------------------------------------------------------------------------------------
-# Raw parameter vectors, as in SPEC section 6: loss = sum(p * w), so the gradient is
+# Raw parameter vectors, as in docs/torch_semantics.md §6: loss = sum(p * w), so the gradient is
 # exactly w times the scale in both frameworks and only the scaler is under test.
 
 

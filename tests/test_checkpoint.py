@@ -14,7 +14,7 @@ import jaxamp
 HYPER = dict(growth_factor=1.5, backoff_factor=0.3, growth_interval=3)
 FIRST, SECOND = [0, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0]
 LR = 2.0**-6  # a power of two: the SGD update is one rounding in both frameworks
-# SPEC scenario 44, measured on torch 2.13.
+# docs/torch_semantics.md §6.44, measured on torch 2.13.
 AFTER_FIRST = {"scale": 1.350000023841858, **HYPER, "_growth_tracker": 1}
 AFTER_SECOND = {"scale": 0.9112499952316284, **HYPER, "_growth_tracker": 0}
 KEYS = ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
@@ -137,7 +137,7 @@ def test_torch_resumes_from_optax_state_dict_matches_torch(tmp_path):
 
 
 def test_grad_scaler_load_state_dict_into_used_scaler():
-  """SPEC 45: the values replace the scaler's; the stages are kept."""
+  """docs/torch_semantics.md §6.45: the values replace the scaler's; the stages are kept."""
   scaler = jaxamp.GradScaler(init_scale=100.0)
   scaler.scale(jnp.float32(1.0))
   scaler.load_state_dict(

@@ -117,7 +117,7 @@ def test_multiply_exact_python_float_equals_word_path():
 
 def test_multiply_exact_rounds_twice_like_torch_near_float32_ties():
   # torch rounds the float64 product, then casts to float32. Where the float64
-  # product lands on a float32 tie this differs from rounding once (SPEC 5.4:
+  # product lands on a float32 tie this differs from rounding once (docs/torch_semantics.md §5.4:
   # 2.593742609024048 * 0.9 -> 2.3343682289123535, rounding once gives ...84673).
   rng = np.random.default_rng(7)
   n = 50_000
@@ -155,7 +155,7 @@ def test_multiply_exact_in_x64_mode_with_float64_factor():
     for factor in (0.9, jnp.float64(0.9)):
       result = jax.jit(multiply_exact)(scale, factor)
       assert result.dtype == jnp.float32 and result.shape == ()
-      assert float(result) == 2.3343682289123535  # torch (SPEC 5.4)
+      assert float(result) == 2.3343682289123535  # torch (docs/torch_semantics.md §5.4)
 
 
 def test_multiply_exact_either_selects_the_factor_before_multiplying():

@@ -239,7 +239,7 @@ def test_grad_scaler_two_optimizers_loop_matches_torch():
 
 
 def test_grad_scaler_multiple_optimizers_spec_table():
-  """SPEC 5.6: per-optimizer skips, one backoff however many optimizers saw inf."""
+  """docs/torch_semantics.md §5.6: per-optimizer skips, one backoff however many optimizers saw inf."""
   scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
   o1 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
   o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
@@ -267,7 +267,7 @@ def test_grad_scaler_multiple_optimizers_spec_table():
 
 
 def test_grad_scaler_untouched_optimizer_keeps_scaled_grads():
-  """SPEC scenario 30: only o1 is recorded; o2's grads stay scaled."""
+  """docs/torch_semantics.md §6.30: only o1 is recorded; o2's grads stay scaled."""
   scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=1)
   o1 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
   o2 = jaxamp.Optimizer(optax.sgd(1.0), jnp.array([1.0]))
@@ -422,7 +422,7 @@ def test_grad_scaler_step_without_grads_raises_and_changes_nothing():
 
 
 def test_grad_scaler_unscale_without_grads_then_step_raises():
-  """SPEC 42: unscale_ with no grads records nothing; step then raises E14."""
+  """docs/torch_semantics.md §6.42: unscale_ with no grads records nothing; step then raises E14."""
   scaler, opt = _fresh()
   scaler.scale(jnp.float32(1.0))
   opt.zero_grad()
@@ -435,7 +435,7 @@ def test_grad_scaler_unscale_without_grads_then_step_raises():
 
 
 def test_grad_scaler_step_after_update_reuses_stale_grads():
-  """SPEC 40: a step after update without a new backward unscales the stale grads again."""
+  """docs/torch_semantics.md §6.40: a step after update without a new backward unscales the stale grads again."""
   scaler = jaxamp.GradScaler(init_scale=2.0)
   opt = jaxamp.Optimizer(optax.sgd(0.0), jnp.array([1.0, 2.0]))
   scaler.scale(jnp.float32(1.0))
@@ -460,7 +460,7 @@ def test_grad_scaler_bad_grads_change_nothing():
 
 
 def test_grad_scaler_skipped_step_keeps_params_and_state_and_unscales_grads():
-  """SPEC 25: grads [8, 16, inf] at scale 4 → [2, 4, inf]; params untouched; scale 2."""
+  """docs/torch_semantics.md §6.25: grads [8, 16, inf] at scale 4 → [2, 4, inf]; params untouched; scale 2."""
   scaler = jaxamp.GradScaler(init_scale=4.0)
   opt = jaxamp.Optimizer(optax.adam(0.1), jnp.array([1.0, 2.0, 3.0]))
   grads = jax.grad(lambda p: scaler.scale(jnp.sum(p * p)))(opt.params)
@@ -681,7 +681,7 @@ def test_grad_scaler_update_traced_new_scale():
 
 
 def test_grad_scaler_setters_are_not_range_checked():
-  """SPEC 53: interval 1, growth 0.5, backoff 4.0, flags [0, 0, 1, 1] → 2, 1, 4, 16."""
+  """docs/torch_semantics.md §6.53: interval 1, growth 0.5, backoff 4.0, flags [0, 0, 1, 1] → 2, 1, 4, 16."""
   scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=1)
   scaler.set_growth_factor(0.5)
   scaler.set_backoff_factor(4.0)

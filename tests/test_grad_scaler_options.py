@@ -55,7 +55,7 @@ def _run(flags, **kwargs):
 
 
 def test_grad_scaler_defaults_keep_torch_rule_and_count_updates():
-  # torch's trajectory A (SPEC 5.1), inf at updates 4, 8, 9.
+  # torch's trajectory A (docs/torch_semantics.md §5.1), inf at updates 4, 8, 9.
   flags = [i in (4, 8, 9) for i in range(16)]
   scalers = _run(flags, init_scale=8.0, growth_interval=3)
   assert [s.get_scale() for s in scalers] == [8, 8, 16, 16, 8, 8, 8, 16, 8, 4, 4, 4, 8, 8, 8, 16]
@@ -123,7 +123,7 @@ def test_grad_scaler_max_loss_scale_caps_growth():
 @pytest.mark.parametrize("detect", [False, True])
 @pytest.mark.parametrize("explicit_unscale", [False, True])
 def test_grad_scaler_detect_unscale_overflow_per_optimizer(detect, explicit_unscale):
-  # SPEC 3.2: bf16 3e38 at scale 0.5 becomes inf once unscaled; torch steps.
+  # docs/torch_semantics.md §3.2: bf16 3e38 at scale 0.5 becomes inf once unscaled; torch steps.
   scaler = jaxamp.GradScaler(init_scale=0.5, detect_unscale_overflow=detect)
   scaler.scale(jnp.float32(1.0))
   opt1 = jaxamp.Optimizer(optax.sgd(0.1), {"w": jnp.ones(2, jnp.bfloat16)})

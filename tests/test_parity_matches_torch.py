@@ -63,7 +63,8 @@ def test_parity_registry_covers_every_required_piece():
 
 
 # ---------------------------------------------------------------------------------------
-# The reference side is driven as SPEC.md measured it (numbers from SPEC, not from us).
+# The reference side is driven as torch was measured (numbers from docs/torch_semantics.md,
+# not from us).
 
 
 def test_parity_torch_side_reproduces_spec_trajectory_b():
@@ -123,7 +124,7 @@ def test_parity_detects_a_float32_scale_update(monkeypatch):
   result = engine.run(scenarios.REGISTRY["linear_non_dyadic"], "optax")
   assert not result.scale_match and not result.passed
   # 4.5 * f32(0.3) = 1.3500000536441803 rounds to torch's 1.350000023841858 at step 3;
-  # the first backoff that differs is 2.025 * 0.3 at step 9 (SPEC 5.2).
+  # the first backoff that differs is 2.025 * 0.3 at step 9 (docs/torch_semantics.md §5.2).
   assert result.failures[0].startswith("step 9: scale")
 
 

@@ -120,7 +120,7 @@ def test_dynamic_loss_scale_max_consecutive_skips_raises_inside_jit():
 
 
 def test_dynamic_loss_scale_detect_unscale_overflow():
-  # SPEC 3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling; torch steps.
+  # docs/torch_semantics.md §3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling; torch steps.
   params = {"w": jnp.ones(2, jnp.bfloat16)}
   grads = {"w": jnp.array([3e38, 1.0], jnp.bfloat16)}
   for detect, skipped in ((False, False), (True, True)):
@@ -167,7 +167,7 @@ def _states(tx, flags):
 
 
 def test_dynamic_loss_scale_defaults_are_torch():
-  # The options off: torch's trajectory A (SPEC 5.1) with inf at 4, 8, 9.
+  # The options off: torch's trajectory A (docs/torch_semantics.md §5.1) with inf at 4, 8, 9.
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, growth_interval=3)
   scales = [float(s.loss_scale) for s in _run(tx, [i in (4, 8, 9) for i in range(16)])]
   assert scales == [8, 8, 16, 16, 8, 8, 8, 16, 8, 4, 4, 4, 8, 8, 8, 16]

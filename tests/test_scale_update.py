@@ -1,4 +1,4 @@
-"""``update_loss_scale`` against the numbers torch produced (SPEC 3.3, 5.x)."""
+"""``update_loss_scale`` against the numbers torch produced (docs/torch_semantics.md §3.3, §5.x)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,9 @@ def _bits(x):
   return np.asarray(x, np.float32).tobytes()
 
 
-# Rows of SPEC 5.7: torch's _amp_update_scale_ probed directly (p05).
+# Rows of docs/torch_semantics.md §5.7: torch's _amp_update_scale_ probed directly.
 # (scale, tracker, found_inf, growth, backoff, interval, scale_after, tracker_after)
-SPEC_5_7 = [
+TORCH_5_7 = [
     (2.0**127, 0, 0.0, 2.0, 0.5, 1, 1.7014118346046923e38, 0),
     (3e38, 0, 0.0, 2.0, 0.5, 1, 3.0000000054977558e38, 0),
     (1.7e38, 0, 0.0, 2.0, 0.5, 1, 3.3999999521443642e38, 0),
@@ -52,7 +52,7 @@ SPEC_5_7 = [
 ]
 
 
-@pytest.mark.parametrize("row", SPEC_5_7, ids=[str(i) for i in range(len(SPEC_5_7))])
+@pytest.mark.parametrize("row", TORCH_5_7, ids=[str(i) for i in range(len(TORCH_5_7))])
 def test_update_loss_scale_matches_torch_kernel_probes(row):
   scale, tracker, found, growth, backoff, interval, want_scale, want_tracker = row
 
@@ -88,7 +88,7 @@ def _trajectory(init, growth, backoff, interval, flags):
 
 
 def test_update_loss_scale_trajectory_b_non_dyadic_factors():
-  # SPEC 5.2: init 3, growth 1.5, backoff 0.3, interval 3, inf at 3, 9, 10, 11.
+  # docs/torch_semantics.md §5.2: init 3, growth 1.5, backoff 0.3, interval 3, inf at 3, 9, 10, 11.
   flags = [i in (3, 9, 10, 11) for i in range(18)]
   scales, trackers = _trajectory(3.0, 1.5, 0.3, 3, flags)
   assert scales[2] == 4.5 and scales[3] == 1.350000023841858
@@ -99,7 +99,7 @@ def test_update_loss_scale_trajectory_b_non_dyadic_factors():
 
 
 def test_update_loss_scale_trajectory_c_nan_backoffs():
-  # SPEC 5.3: init 3, growth 1.5, backoff 0.3, interval 2, NaN x4, then clean.
+  # docs/torch_semantics.md §5.3: init 3, growth 1.5, backoff 0.3, interval 2, NaN x4, then clean.
   scales, _ = _trajectory(3.0, 1.5, 0.3, 2, [1, 1, 1, 1] + [0] * 8 + [1, 0, 0])
   assert scales == [
       0.8999999761581421, 0.26999998092651367, 0.08099999278783798,
@@ -111,7 +111,7 @@ def test_update_loss_scale_trajectory_c_nan_backoffs():
 
 
 def test_update_loss_scale_trajectory_d_growth_chain():
-  # SPEC 5.4: init 1, growth 1.1, backoff 0.9, interval 2, 20 clean then 3 inf.
+  # docs/torch_semantics.md §5.4: init 1, growth 1.1, backoff 0.9, interval 2, 20 clean then 3 inf.
   scales, _ = _trajectory(1.0, 1.1, 0.9, 2, [0] * 20 + [1] * 3)
   assert scales[1::2][:10] == [
       1.100000023841858, 1.2100000381469727, 1.3310000896453857, 1.4641001224517822,
@@ -122,7 +122,7 @@ def test_update_loss_scale_trajectory_d_growth_chain():
 
 
 def test_update_loss_scale_backs_off_to_subnormals_and_zero():
-  # SPEC 5.9 / scenario 15: from 65536 by 0.5, the first subnormal after
+  # docs/torch_semantics.md §5.9 / §6.15: from 65536 by 0.5, the first subnormal after
   # update 143 and exactly 0.0 after update 166, then 0 forever.
   scales, _ = _trajectory(65536.0, 2.0, 0.5, 2000, [1] * 170)
   first_subnormal = next(i for i, s in enumerate(scales) if 0 < s < 2.0**-126) + 1

@@ -150,7 +150,7 @@ def test_dynamic_loss_scale_disabled_is_identity_scaler():
 
 
 def test_dynamic_loss_scale_chain_clipping_sees_unscaled_grads():
-  # SPEC 5.10: scale 1024, p=[3,4], loss sum(p^2)/2: unscale_ -> [3, 4] ->
+  # docs/torch_semantics.md §5.10: scale 1024, p=[3,4], loss sum(p^2)/2: unscale_ -> [3, 4] ->
   # clip to norm 1 -> [0.6, 0.8] (torch: [0.5999999046325684, 0.7999998331069946])
   # -> step lr 1 -> params [2.4000000953674316, 3.200000286102295].
   tx = jaxamp.dynamic_loss_scale(
@@ -176,7 +176,7 @@ def test_dynamic_loss_scale_inside_inject_hyperparams():
   for inf in [0, 0, 0, 1, 0]:
     _, state = update(_grads(inf=bool(inf)), state, PARAMS)
     scales.append(float(jaxamp.get_loss_scale(state)))
-  # SPEC 5.2 (trajectory B); the factors arrive traced as float32: 1.5 exactly,
+  # docs/torch_semantics.md §5.2 (trajectory B); the factors arrive traced as float32: 1.5 exactly,
   # 0.3 as float32(0.3), whose product with 4.5 rounds to the same float32.
   assert scales == [3.0, 3.0, 4.5, 1.350000023841858, 1.350000023841858]
   # Changing a hyperparameter in the state takes effect without recompiling.

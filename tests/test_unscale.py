@@ -1,4 +1,4 @@
-"""``unscale_and_check`` against torch's unscale kernel (SPEC 3.1, 3.2, 5.8)."""
+"""``unscale_and_check`` against torch's unscale kernel (docs/torch_semantics.md §3.1, §3.2, §5.8)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ import jaxamp
 
 GRADS = [1.0, 10.0, 100.0, 12345.0]
 
-# SPEC 5.8, measured on torch 2.13 (p04): (scale, dtype, torch's unscaled grads).
-SPEC_5_8 = [
+# docs/torch_semantics.md §5.8, measured on torch 2.13: (scale, dtype, torch's unscaled grads).
+TORCH_5_8 = [
     (3.0, jnp.float32, [0.3333333432674408, 3.3333334922790527, 33.333335876464844, 4115.0]),
     (3.0, jnp.float16, [0.333251953125, 3.333984375, 33.34375, 4116.0]),
     (3.0, jnp.bfloat16, [0.333984375, 3.328125, 33.25, 4128.0]),
@@ -25,7 +25,7 @@ SPEC_5_8 = [
 ]
 
 
-@pytest.mark.parametrize("scale,dtype,expected", SPEC_5_8)
+@pytest.mark.parametrize("scale,dtype,expected", TORCH_5_8)
 def test_unscale_and_check_matches_torch_unscale(scale, dtype, expected):
   grads = {"g": jnp.asarray(GRADS, dtype)}
   unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(scale))
@@ -45,7 +45,7 @@ def test_unscale_and_check_float64_matches_torch():
 
 
 def test_unscale_and_check_multiplies_by_reciprocal_not_divides():
-  # SPEC 3.2: with scale 3, about a third of float32 grads differ from g / 3.
+  # docs/torch_semantics.md §3.2: with scale 3, about a third of float32 grads differ from g / 3.
   grads = np.random.default_rng(0).normal(0, 300, 100_000).astype(np.float32)
   unscaled, _ = jaxamp.unscale_and_check(jnp.asarray(grads), jnp.float32(3.0))
   inv = np.float32(1.0 / np.float64(np.float32(3.0)))
@@ -69,7 +69,7 @@ def test_unscale_and_check_detects_any_non_finite(dtype, bad, position, size):
 
 
 def test_unscale_and_check_detects_on_scaled_input_not_on_product():
-  # SPEC 3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling, unnoticed.
+  # docs/torch_semantics.md §3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling, unnoticed.
   grads = jnp.asarray([3e38], jnp.bfloat16)
   unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(0.5))
   assert np.isinf(np.asarray(unscaled, np.float32)[0]) and not bool(found_inf)
@@ -122,7 +122,7 @@ def test_inverse_scale_matches_float64_reciprocal():
 
 
 def test_inverse_scale_of_subnormal_scale_matches_torch():
-  # SPEC 3.1: 2^-127 -> 1.7014118346046923e+38 (finite); 1e-39 -> inf.
+  # docs/torch_semantics.md §3.1: 2^-127 -> 1.7014118346046923e+38 (finite); 1e-39 -> inf.
   scales = np.float32([2.0**-127, 1e-39, 2.0**-149, 4e-39, -2.0**-127])
   with np.errstate(all="ignore"):
     expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
