@@ -183,6 +183,14 @@ def _check_hyperparameters(in_use: dict[str, Any], given: dict[str, Any], where:
       )
 
 
+def _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval) -> dict[str, Any]:
+  """The hyperparameters in use, checked against those given (``None``: not given)."""
+  in_use = hyperparameters_in_use(opt_state)
+  given = dict(zip(HYPERPARAMETERS, (growth_factor, backoff_factor, growth_interval)))
+  _check_hyperparameters(in_use, given, "the call")
+  return in_use
+
+
 def state_dict(
   opt_state: Any,
   *,
@@ -218,13 +226,7 @@ def state_dict(
     >>> jaxamp.state_dict(tx.init({"w": jnp.ones(2)}))
     {'scale': 3.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 10, '_growth_tracker': 0}
   """
-  in_use = hyperparameters_in_use(opt_state)
-  given = {
-    "growth_factor": growth_factor,
-    "backoff_factor": backoff_factor,
-    "growth_interval": growth_interval,
-  }
-  _check_hyperparameters(in_use, given, "the call")
+  in_use = _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval)
   loss_scale_state = find_loss_scale_state(opt_state)
   return {
     "scale": float(field_array(loss_scale_state.loss_scale)),
@@ -292,13 +294,7 @@ def load_state_dict(
       "jaxamp.load_state_dict takes the optimizer state itself (e.g. "
       "optimizer.opt_state) and returns a new one."
     )
-  in_use = hyperparameters_in_use(opt_state)
-  given = {
-    "growth_factor": growth_factor,
-    "backoff_factor": backoff_factor,
-    "growth_interval": growth_interval,
-  }
-  _check_hyperparameters(in_use, given, "the call")
+  in_use = _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval)
   _check_hyperparameters(
     in_use, {name: checked[name] for name in HYPERPARAMETERS}, "the state dict"
   )

@@ -273,3 +273,43 @@ def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig
   if config.max_consecutive_skips is not None:
     _integer("max_consecutive_skips", config.max_consecutive_skips, 1)
   return config
+
+
+def check_new_scale(new_scale: Any) -> jax.Array:
+  """``GradScaler.update(new_scale=...)``: a finite positive scalar float, as float32."""
+  if isinstance(new_scale, (bool, np.bool_, numbers.Integral)):
+    raise TypeError(
+      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
+      f"{type(new_scale).__name__} {new_scale!r} (torch raises AttributeError "
+      "here); write it as a float, e.g. 2.0. The scaler is unchanged."
+    )
+  if isinstance(new_scale, numbers.Real):
+    value = float(new_scale)
+  elif _is_array(new_scale) or isinstance(new_scale, np.generic):
+    array = new_scale if isinstance(new_scale, jax.Array) else np.asarray(new_scale)
+    if array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
+      raise ValueError(
+        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+        "torch.FloatTensor with requires_grad=False. (jaxamp: got an array of "
+        f"shape {array.shape} and dtype {array.dtype}; pass a 0-dim float array. "
+        "The scaler is unchanged.)"
+      )
+    if isinstance(array, jax.core.Tracer):
+      return array.astype(jnp.float32)  # traced: cannot be checked here
+    value = float(np.asarray(array))
+  else:
+    raise TypeError(
+      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
+      f"{type(new_scale).__name__}. The scaler is unchanged."
+    )
+  if math.isfinite(value) and abs(value) > FLT_MAX:
+    raise RuntimeError(
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: new_scale={value!r}; the scaler is unchanged)"
+    )
+  if not (math.isfinite(value) and np.float32(value) > 0):
+    raise ValueError(
+      f"jaxamp: new_scale must be finite and positive in float32, got {value!r} "
+      "(torch accepts it, and then skips or zeroes every later step). The scaler "
+      "is unchanged."
+    )
+  return jnp.asarray(np.float32(value))

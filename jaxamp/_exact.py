@@ -1,7 +1,7 @@
 """Exact float32 arithmetic that torch does in float64: ``f32(f64(x) * factor)``.
 
 torch's ``_amp_update_scale_`` forms the new scale as the float64 product of the
-float32 scale and a float64 factor, rounded once to float32. JAX runs in 32-bit
+float32 scale and a float64 factor, rounded to float32. JAX runs in 32-bit
 mode by default and XLA flushes subnormals, so a plain ``scale * factor`` in
 float32 differs from torch for about a quarter of non-dyadic factors (docs/torch_semantics.md §3.3).
 
@@ -152,7 +152,7 @@ def _pack_f32_bits(bits, exponent):
 
 
 def multiply_exact(x, factor):
-  """Returns ``f32(f64(x) * f64(factor))``, rounded once, as torch computes it.
+  """Returns ``f32(f64(x) * f64(factor))``, rounded as torch rounds it (to float64, then float32).
 
   Args:
     x: a float32 scalar (the loss scale).

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -26,15 +24,9 @@ from jax import lax
 
 from jaxamp._checkpoint import STATE_DICT_KEYS, check_state_dict
 from jaxamp._compile import call_compiled
-from jaxamp._config import (
-  FLOAT_OVERFLOW_MESSAGE,
-  FLT_MAX,
-  LossScaleConfig,
-  loss_scale_config,
-  python_number,
-)
+from jaxamp._config import LossScaleConfig, check_new_scale, loss_scale_config, python_number
 from jaxamp._core import LossScaleCore, advance, init_core, int32_array, scale_array
-from jaxamp._optimizer import Optimizer, updated
+from jaxamp._optimizer import Optimizer, per_param_leaf, updated
 from jaxamp._scaling import multiply_by_scale
 from jaxamp._unscale import finite_leaves, unscale
 from jaxamp._validation import check_float_gradients
@@ -83,30 +75,6 @@ def _is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
 
 
-def _is_none(value: Any) -> bool:
-  return value is None
-
-
-def _per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:
-  """``flags`` (one per array leaf of ``grads``) as one per array leaf of
-  ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
-  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
-  param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
-  if grads_def != params_def:
-    return None
-  if all(g is not None and p is not None for g, p in zip(grad_leaves, param_leaves)):
-    return flags
-  per_position, flag_index = [], 0
-  for grad, param in zip(grad_leaves, param_leaves):
-    if grad is not None:
-      flag, flag_index = flags[flag_index], flag_index + 1
-    else:
-      flag = jnp.zeros([], bool)
-    if param is not None:
-      per_position.append(flag)
-  return jnp.stack(per_position) if per_position else jnp.zeros([0], bool)
-
-
 def _step_unless(
   tx: Any, found_inf: jax.Array, grads: Any, params: Any, opt_state: Any, extra_args: dict
 ):
@@ -129,45 +97,6 @@ def _key_of(optimizer: Any) -> int:
       f"with its params, state and grads), got {type(optimizer).__name__}."
     )
   return optimizer._key
-
-
-def _checked_new_scale(new_scale: Any) -> jax.Array:
-  """``update(new_scale=...)``: a finite scalar float, as a float32 array."""
-  if isinstance(new_scale, (bool, np.bool_, numbers.Integral)):
-    raise TypeError(
-      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
-      f"{type(new_scale).__name__} {new_scale!r} (torch raises AttributeError "
-      "here); write it as a float, e.g. 2.0. The scaler is unchanged."
-    )
-  if isinstance(new_scale, numbers.Real):
-    value = float(new_scale)
-  elif _is_array(new_scale) or isinstance(new_scale, np.generic):
-    array = new_scale if isinstance(new_scale, jax.Array) else np.asarray(new_scale)
-    if array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
-      raise ValueError(
-        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-        "torch.FloatTensor with requires_grad=False. (jaxamp: got an array of "
-        f"shape {array.shape} and dtype {array.dtype}; pass a 0-dim float array. "
-        "The scaler is unchanged.)"
-      )
-    if isinstance(array, jax.core.Tracer):
-      return array.astype(jnp.float32)  # traced: cannot be checked here
-    value = float(np.asarray(array))
-  else:
-    raise TypeError(
-      "jaxamp: new_scale must be a float or a 0-dim floating-point array, got "
-      f"{type(new_scale).__name__}. The scaler is unchanged."
-    )
-  if math.isfinite(value) and abs(value) > FLT_MAX:
-    raise RuntimeError(
-      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: new_scale={value!r}; the scaler is unchanged)"
-    )
-  if not math.isfinite(value):
-    raise ValueError(
-      f"jaxamp: new_scale must be finite, got {value!r} (torch accepts it and "
-      "then skips every later step). The scaler is unchanged."
-    )
-  return scale_array(value)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -338,7 +267,7 @@ class GradScaler:
     scale = self._core.loss_scale
     finite = finite_leaves(grads, scale, self._config.detect_unscale_overflow)
     found_inf = ~jnp.all(finite)
-    nonfinite = _per_param_leaf(grads, optimizer.params, ~finite)
+    nonfinite = per_param_leaf(grads, optimizer.params, ~finite)
     if nonfinite is not None and optimizer.nonfinite_leaves is not None:
       nonfinite = jnp.where(found_inf, nonfinite, optimizer.nonfinite_leaves)
     else:
@@ -435,7 +364,7 @@ class GradScaler:
       return
     self._check_scaled("update")
     if new_scale is not None:
-      self._core = self._core._replace(loss_scale=_checked_new_scale(new_scale))
+      self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
       self._states = {}
       return
     found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]

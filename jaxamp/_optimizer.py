@@ -19,6 +19,7 @@ import itertools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 _KEYS = itertools.count()
@@ -127,3 +128,27 @@ def updated(
     grads, opt_state, params, **extra_args
   )
   return optax.apply_updates(params, updates), opt_state
+
+
+def _is_none(value: Any) -> bool:
+  return value is None
+
+
+def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:
+  """``flags`` (one per array leaf of ``grads``) as one per array leaf of
+  ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
+  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
+  param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
+  if grads_def != params_def:
+    return None
+  if all(g is not None and p is not None for g, p in zip(grad_leaves, param_leaves)):
+    return flags
+  per_position, flag_index = [], 0
+  for grad, param in zip(grad_leaves, param_leaves):
+    if grad is not None:
+      flag, flag_index = flags[flag_index], flag_index + 1
+    else:
+      flag = jnp.zeros([], bool)
+    if param is not None:
+      per_position.append(flag)
+  return jnp.stack(per_position) if per_position else jnp.zeros([0], bool)

@@ -41,7 +41,7 @@ def update_loss_scale(
     else:
       tracker = tracker + 1
 
-  The products are rounded once to float32 from the exact product, also inside
+  The products are rounded as torch rounds them (to float64, then to float32), also inside
   ``jit`` in JAX's default 32-bit mode; a growth that would overflow is dropped,
   a backoff has no floor (the scale can reach subnormals and zero), and a
   ``growth_interval`` of zero or less never grows.

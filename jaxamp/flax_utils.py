@@ -270,11 +270,10 @@ def update(
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> from flax import nnx
     >>> from jaxamp import flax_utils
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
     >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
-    >>> optimizer = nnx.Optimizer(
-    ...     model, jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0),
-    ...     wrt=nnx.Param)
     >>> model.kernel[...] = jnp.ones((2, 1))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     >>> as_grads = lambda g: jax.tree.map(lambda _: jnp.array(g), nnx.state(model, nnx.Param))
     >>> flax_utils.update(optimizer, model, as_grads([[4.0], [jnp.inf]]))   # skipped, backed off
     >>> model.kernel[...].ravel().tolist(), float(optimizer.opt_state.loss_scale[...])

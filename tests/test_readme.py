@@ -1,13 +1,17 @@
-"""The README's Python examples run as written."""
+"""The Python examples of the README and of the guides run as written."""
 
 import pathlib
 import re
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "protections.md"]
 
 
-def test_readme_python_examples_run():
-  blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-  assert blocks, "the README has no python example"
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_document_python_examples_run(path):
+  blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+  assert blocks, f"{path.name} has no python example"
   for block in blocks:
-    exec(compile(block, str(README), "exec"), {})
+    exec(compile(block, str(path), "exec"), {})
