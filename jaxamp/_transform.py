@@ -37,8 +37,10 @@ class DynamicLossScaleState(NamedTuple):
     nonfinite_leaves: for each gradient leaf (``jax.tree.leaves`` order),
       whether it held inf/NaN in the last skipped step, bool ``[n_leaves]``;
       see :func:`jaxamp.nonfinite_leaf_paths`.
-    config: the configuration the transformation was built with (static, no
-      leaves; injected hyperparameters are recorded as ``<injected>``).
+    config: the configuration the transformation was built with: static, no
+      leaves, part of the tree structure (build ``shard_map`` specs from this
+      state, not another transformation's); injected hyperparameters are
+      recorded as ``<injected>``.
     inner_state: the wrapped transformation's state, untouched by skipped updates.
   """
 
