@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up .venv with ruff and checks lint and formatting of the whole tree
+# (configuration in pyproject.toml). Fails on any finding.
+source "$(dirname "$0")/_venv.sh" lint
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
