@@ -435,16 +435,28 @@ class GradScaler:
 
   # -- getters and setters --------------------------------------------------------
 
-  def get_scale(self) -> float | int:
-    """The scale as a Python number (a host read; call outside ``jit``).
+  def get_scale(self) -> float | int | jax.Array:
+    """The scale as a Python number; inside ``jit``, as a float32 ``[]`` array.
 
-    Before the first ``scale()``, the ``init_scale`` (or loaded scale) as
-    given, as torch; 1.0 when disabled.
+    torch code that reads it inside the iteration (the gradient penalty's
+    ``1. / scaler.get_scale()``, clipping still-scaled gradients at
+    ``max_norm * scaler.get_scale()``) so runs unchanged under ``jax.jit``.
+    Outside ``jit`` it is a host read. Before the first ``scale()``, the
+    ``init_scale`` (or loaded scale) as given, as torch; 1.0 when disabled.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> scaler = jaxamp.GradScaler(init_scale=4.0)
+      >>> _ = scaler.scale(jnp.float32(1.0))
+      >>> scaler.get_scale(), float(jax.jit(lambda s: 1.0 / s.get_scale())(scaler))
+      (4.0, 0.25)
     """
     if not self._enabled:
       return 1.0
     if not self._scaled:
       return self._config.init_scale
+    if isinstance(self._core.loss_scale, jax.core.Tracer):
+      return self._core.loss_scale  # inside jit: the traced scale, no host read
     return float(self._core.loss_scale)
 
   def _get_growth_tracker(self) -> int:

@@ -80,13 +80,33 @@ class Optimizer:
     self.tx = tx
     self.params = params
     self.opt_state = tx.init(params) if opt_state is None else opt_state
-    self.grads = jax.tree.map(jax.numpy.zeros_like, params) if grads is None else grads
-    self.nonfinite_leaves = jax.numpy.zeros([len(jax.tree.leaves(params))], bool)
+    self.grads = jax.tree.map(jnp.zeros_like, params) if grads is None else grads
+    self.nonfinite_leaves = jnp.zeros([len(jax.tree.leaves(params))], bool)
     self._key = next(_KEYS)
 
-  def zero_grad(self) -> None:
-    """Forgets the gradients (``grads = None``), as torch's ``zero_grad()``."""
-    self.grads = None
+  def zero_grad(self, set_to_none: bool = True) -> None:
+    """Forgets the gradients, as torch's ``zero_grad()``: ``grads = None``, or
+    zeros like ``params`` with ``set_to_none=False`` (the pytree structure then
+    stays the same, so a jitted accumulation step does not trace again)."""
+    self.grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self.params)
+
+  def accumulate(self, grads: Any) -> None:
+    """Adds ``grads`` to ``self.grads`` (``None`` counts as zeros), as each
+    ``loss.backward()`` adds into ``param.grad`` in torch.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> opt = jaxamp.Optimizer(optax.sgd(1.0), {"w": jnp.zeros(2)})
+      >>> opt.zero_grad(set_to_none=False)
+      >>> for g in (1.0, 2.0):
+      ...   opt.accumulate({"w": jnp.full(2, g)})
+      >>> opt.grads["w"].tolist()
+      [3.0, 3.0]
+    """
+    if self.grads is None:
+      self.grads = grads
+    else:
+      self.grads = jax.tree.map(jnp.add, self.grads, grads)
 
   def updated(self, grads: Any, **extra_args: Any) -> tuple[Any, Any]:
     """The ``(params, opt_state)`` after one ``tx`` update with ``grads``.

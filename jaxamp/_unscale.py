@@ -12,33 +12,83 @@ from jaxamp._finite import leaf_finite_flags
 from jaxamp._validation import check_float_gradients
 
 
-def inverse_scale(loss_scale: jax.Array) -> jax.Array:
-  """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale`` (docs/torch_semantics.md §3.1).
+def _subnormal_reciprocal_bits(bits: jax.Array) -> jax.Array:
+  """For a scale above ``2**126`` (as int32 bits), the bits ``n`` of torch's
+  subnormal reciprocal ``n * 2**-149 = round(1 / scale)``, in int32 arithmetic.
 
-  For a normal float32 scale this is the correctly rounded float32 division.
-  A subnormal scale (which XLA would read as zero) is handled exactly from its
-  bits, so scales between ``1/FLT_MAX`` and ``2**-126`` give torch's finite
-  reciprocal. A scale above ``2**126`` has a subnormal reciprocal, which XLA
-  flushes to zero where torch keeps it (a documented divergence).
+  With ``scale = m * 2**(biased - 150)``, ``n = round_half_even(2**t / m)`` for
+  ``t = 299 - biased``. The float32 quotient is within 1/4 of it, so ``n`` is
+  its floor, or one more when ``(2 * floor + 1) * m < 2**(t + 1)``: a 48-bit
+  product, compared in 12-bit limbs (it is never equal).
   """
+  m = (bits & 0x7FFFFF) | 0x800000
+  t = 299 - ((bits >> 23) & 0xFF)
+  power = lax.bitcast_convert_type((t + 127) << 23, jnp.float32)  # 2.0**t
+  floor = jnp.floor(power / m.astype(jnp.float32)).astype(jnp.int32)
+  k = 2 * floor + 1
+  kh, kl, mh, ml = k >> 12, k & 0xFFF, m >> 12, m & 0xFFF
+  middle = kh * ml + kl * mh
+  high = kh * mh + (middle >> 12) + ((kl * ml + ((middle & 0xFFF) << 12)) >> 24)
+  return floor + (high < jnp.left_shift(1, t - 23)).astype(jnp.int32)
+
+
+def _inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """torch's ``inv_scale``, and ``(high, low)`` with ``inv_scale == high * low``
+  in exact arithmetic and both normal floats: XLA flushes a subnormal operand
+  to zero, so ``g * inv_scale`` is computed as ``(g * high) * low``, which is
+  torch's correctly rounded product wherever the result is a normal float."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   bits = lax.bitcast_convert_type(loss_scale, jnp.int32)
-  fraction = bits & 0x7FFFFF
-  is_subnormal = ((bits & 0x7F800000) == 0) & (fraction != 0)
+  sign = bits & ~0x7FFFFFFF
+  fraction, biased = bits & 0x7FFFFF, (bits >> 23) & 0xFF
+  is_subnormal = (biased == 0) & (fraction != 0)
   # 1 / (m * 2**-149) = (1/m) * 2**149, scaled in the exponent bits (exact).
   reciprocal_bits = lax.bitcast_convert_type(1.0 / fraction.astype(jnp.float32), jnp.int32)
   overflows = (reciprocal_bits >> 23) + 149 >= 0xFF
   scaled_bits = jnp.where(overflows, 0x7F800000, reciprocal_bits + (149 << 23))
-  subnormal_inverse = lax.bitcast_convert_type(scaled_bits | (bits & ~0x7FFFFFFF), jnp.float32)
-  return jnp.where(is_subnormal, subnormal_inverse, jnp.float32(1.0) / loss_scale)
+  inverse = jnp.where(
+    is_subnormal,
+    lax.bitcast_convert_type(scaled_bits | sign, jnp.float32),
+    jnp.float32(1.0) / loss_scale,
+  )
+  # A scale above 2**126 has a subnormal reciprocal: its bits are n, its
+  # value (n * 2**-85) * 2**-64.
+  is_large = (biased >= 253) & (biased < 0xFF)
+  n = _subnormal_reciprocal_bits(bits)
+  high_bits = lax.bitcast_convert_type(n.astype(jnp.float32) * 2.0**-85, jnp.int32) | sign
+  high = lax.bitcast_convert_type(high_bits, jnp.float32)
+  inverse = jnp.where(is_large, lax.bitcast_convert_type(n | sign, jnp.float32), inverse)
+  return (
+    inverse,
+    jnp.where(is_large, high, inverse),
+    jnp.where(is_large, jnp.float32(2.0**-64), jnp.float32(1.0)),
+  )
 
 
-def _unscale_leaf(grad: jax.Array, inv_scale: jax.Array) -> jax.Array:
+def inverse_scale(loss_scale: jax.Array) -> jax.Array:
+  """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale``, bit for bit
+  (docs/torch_semantics.md §3.1).
+
+  A subnormal scale (which XLA would read as zero) and a scale above
+  ``2**126`` (whose reciprocal is subnormal, which XLA would flush to zero)
+  are handled exactly from their bits.
+
+  Examples:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> scale = np.float32(1e38)
+    >>> np.asarray(inverse_scale(jnp.asarray(scale))).tobytes() == np.float32(1 / np.float64(scale)).tobytes()
+    True
+  """
+  return _inverse_parts(loss_scale)[0]
+
+
+def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
+  inverse, high, low = parts
   if grad.dtype == jnp.float64:
-    product = grad * inv_scale.astype(jnp.float64)
+    product = grad * (high.astype(jnp.float64) * low.astype(jnp.float64))
   else:  # float32, and float16/bfloat16 in float32 "opmath", cast back
-    product = (grad.astype(jnp.float32) * inv_scale).astype(grad.dtype)
-  return jnp.where(inv_scale == 1.0, grad, product)  # torch's inv == 1 shortcut
+    product = ((grad.astype(jnp.float32) * high) * low).astype(grad.dtype)
+  return jnp.where(inverse == 1.0, grad, product)  # torch's inv == 1 shortcut
 
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -104,8 +154,8 @@ def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array
 
 def unscale(grads: Any, loss_scale: jax.Array) -> Any:
   """``grads`` multiplied by torch's ``inv_scale`` (see :func:`unscale_and_check`)."""
-  inv_scale = inverse_scale(loss_scale)
-  return jax.tree.map(lambda g: _unscale_leaf(g, inv_scale), grads)
+  parts = _inverse_parts(loss_scale)
+  return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
 def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
