@@ -91,7 +91,7 @@ def _torch_inject(linear, flag):
 
 def _torch_clip_grad_norm(grads, max_norm):
   """torch's ``clip_grad_norm_`` formula: grads * min(1, max_norm / (norm + 1e-6))."""
-  norm = optax.global_norm(grads)
+  norm = optax.tree.norm(grads)
   coef = jnp.minimum(jnp.float32(max_norm) / (norm + jnp.float32(1e-6)), 1.0)
   return jax.tree.map(lambda g: g * coef, grads), norm
 
