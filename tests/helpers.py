@@ -45,7 +45,9 @@ def _leaf_name(path: tuple) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def grads(base: Any, *, scale: float = 1.0, dtype: Any = None, poison: tuple | None = None) -> Any:
+def make_grads(
+  base: Any, *, scale: float = 1.0, dtype: Any = None, poison: tuple | None = None
+) -> Any:
   """Gradients for a test: every leaf of ``base`` times ``scale`` (in the leaf's own
   precision, then rounded once to ``dtype``; ``None`` keeps jnp's default), and with
   ``poison = (leaf, index, value)`` the entry at flat ``index`` of ``leaf`` (a flat
@@ -96,7 +98,7 @@ def _gradient_steps(steps, params):
   clean = filled(params)
   for step in steps:
     if isinstance(step, (bool, int, np.integer, np.bool_)):
-      yield grads(clean, poison=FLAG_POISON if step else None)
+      yield make_grads(clean, poison=FLAG_POISON if step else None)
     else:
       yield step
 
