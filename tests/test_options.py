@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import FRONT_ENDS, PARAMS, bits, filled, grads, run_front_end
+from helpers import FRONT_ENDS, PARAMS, bits, filled, make_grads, run_front_end
 
 import jaxamp
 
@@ -178,7 +178,7 @@ def test_detect_unscale_overflow_skips_only_when_enabled(front_end, detect):
 @front_ends
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-3)], ids=["sgd", "adam"])
 def test_nonfinite_leaf_paths_name_the_leaves_of_the_last_skipped_step(front_end, inner):
-  sequence = [grads(CLEAN, poison=ENCODER_B_NAN), CLEAN, grads(CLEAN, poison=HEAD_INF)]
+  sequence = [make_grads(CLEAN, poison=ENCODER_B_NAN), CLEAN, make_grads(CLEAN, poison=HEAD_INF)]
   steps = run_front_end(front_end, {}, sequence, inner=inner)
   # a finite step keeps the last report
   assert [s.nonfinite_leaf_paths for s in steps] == [
@@ -262,7 +262,7 @@ def test_dynamic_loss_scale_nonfinite_leaf_paths_empty_before_a_skip_and_checks_
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   state = tx.init(PARAMS)
   assert jaxamp.nonfinite_leaf_paths(state, PARAMS) == []
-  _, state = jax.jit(tx.update)(grads(CLEAN, poison=HEAD_INF), state, PARAMS)
+  _, state = jax.jit(tx.update)(make_grads(CLEAN, poison=HEAD_INF), state, PARAMS)
   assert jaxamp.nonfinite_leaf_paths(state, PARAMS) == ["['head']"]
   with pytest.raises(ValueError, match="params has 1 leaves but the jaxamp state tracks 3"):
     jaxamp.nonfinite_leaf_paths(state, {"w": jnp.ones(2)})
@@ -282,7 +282,7 @@ def test_dynamic_loss_scale_options_inside_inject_hyperparams():
   update = jax.jit(tx.update)
   scales = []
   for flag in [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]:
-    _, state = update(grads(CLEAN, poison=HEAD_INF if flag else None), state, PARAMS)
+    _, state = update(make_grads(CLEAN, poison=HEAD_INF if flag else None), state, PARAMS)
     scales.append(float(jaxamp.get_loss_scale(state)))
   # hysteresis 2 absorbs the first overflow; then 8, 4, floor 4; growth caps at 32.
   assert scales == [16.0, 8.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
@@ -310,7 +310,7 @@ def _iteration(scaler, opt, grads):
 
 
 def _flagged(flag):
-  return grads(CLEAN, poison=HEAD_INF if flag else None)
+  return make_grads(CLEAN, poison=HEAD_INF if flag else None)
 
 
 @pytest.mark.parametrize("detect", [False, True])
@@ -420,7 +420,7 @@ def test_grad_scaler_matches_dynamic_loss_scale_with_options(name):
     kind = int(rng.choice(4, p=[0.5, 0.2, 0.1, 0.2]))
     leaf = int(rng.integers(3))
     poison = None if kind == 0 else (leaf, 0, {1: jnp.inf, 2: jnp.nan, 3: 3e38}[kind])
-    g = grads(raw, scale=scale, poison=poison)
+    g = make_grads(raw, scale=scale, poison=poison)
     updates, state = core_update(g, state, core_params)
     core_params = optax.apply_updates(core_params, updates)
     if kind == 3 and bool(state.found_inf):
@@ -523,11 +523,11 @@ def test_grad_scaler_state_dict_keeps_torch_keys_and_load_keeps_option_state():
 def test_grad_scaler_nonfinite_leaf_paths_per_optimizer():
   scaler, opt = _started()
   assert scaler.nonfinite_leaf_paths(opt) == []
-  scaler, opt = _iteration(scaler, opt, grads(CLEAN, poison=ENCODER_B_NAN))
+  scaler, opt = _iteration(scaler, opt, make_grads(CLEAN, poison=ENCODER_B_NAN))
   assert scaler.nonfinite_leaf_paths(opt) == ["['encoder']['b']"]
   # A None gradient (a frozen leaf) counts as finite; unscale_ alone records too.
   opt.grads = {
-    "encoder": {"w": None, "b": grads(CLEAN, poison=ENCODER_B_NAN)["encoder"]["b"]},
+    "encoder": {"w": None, "b": make_grads(CLEAN, poison=ENCODER_B_NAN)["encoder"]["b"]},
     "head": None,
   }
   scaler.unscale_(opt)

@@ -11,17 +11,21 @@ GRADS = [1.0, 10.0, 100.0, 12345.0]
 
 # SPEC 5.8, measured on torch 2.13 (p04): (scale, dtype, torch's unscaled grads).
 SPEC_5_8 = [
-    (3.0, jnp.float32, [0.3333333432674408, 3.3333334922790527, 33.333335876464844, 4115.0]),
-    (3.0, jnp.float16, [0.333251953125, 3.333984375, 33.34375, 4116.0]),
-    (3.0, jnp.bfloat16, [0.333984375, 3.328125, 33.25, 4128.0]),
-    (
-        196608.0,
-        jnp.float32,
-        [5.086263172415784e-06, 5.086263263365254e-05, 0.0005086263408884406, 0.0627899169921875],
-    ),
-    (0.1, jnp.float32, [10.0, 100.0, 1000.0, 123450.0]),
-    (0.1, jnp.float16, [10.0, 100.0, 1000.0, float("inf")]),
-    (7.0, jnp.float32, [0.1428571492433548, 1.4285714626312256, 14.285715103149414, 1763.571533203125]),
+  (3.0, jnp.float32, [0.3333333432674408, 3.3333334922790527, 33.333335876464844, 4115.0]),
+  (3.0, jnp.float16, [0.333251953125, 3.333984375, 33.34375, 4116.0]),
+  (3.0, jnp.bfloat16, [0.333984375, 3.328125, 33.25, 4128.0]),
+  (
+    196608.0,
+    jnp.float32,
+    [5.086263172415784e-06, 5.086263263365254e-05, 0.0005086263408884406, 0.0627899169921875],
+  ),
+  (0.1, jnp.float32, [10.0, 100.0, 1000.0, 123450.0]),
+  (0.1, jnp.float16, [10.0, 100.0, 1000.0, float("inf")]),
+  (
+    7.0,
+    jnp.float32,
+    [0.1428571492433548, 1.4285714626312256, 14.285715103149414, 1763.571533203125],
+  ),
 ]
 
 
@@ -97,13 +101,13 @@ def test_unscale_and_check_none_leaves_and_empty_trees():
 
 
 @pytest.mark.parametrize(
-    "leaf,kind",
-    [
-        (jnp.ones(2, jnp.int32), "dtype int32"),
-        (jnp.ones(2, bool), "dtype bool"),
-        (jnp.ones(2, jnp.complex64), "dtype complex64"),
-        (3.0, "type float"),
-    ],
+  "leaf,kind",
+  [
+    (jnp.ones(2, jnp.int32), "dtype int32"),
+    (jnp.ones(2, bool), "dtype bool"),
+    (jnp.ones(2, jnp.complex64), "dtype complex64"),
+    (3.0, "type float"),
+  ],
 )
 def test_unscale_and_check_rejects_non_float_leaves(leaf, kind):
   with pytest.raises(TypeError, match=rf"gradient leaf \['w'\]\[1\] has {kind}"):
@@ -112,10 +116,12 @@ def test_unscale_and_check_rejects_non_float_leaves(leaf, kind):
 
 def test_inverse_scale_matches_float64_reciprocal():
   rng = np.random.default_rng(3)
-  scales = np.concatenate([
+  scales = np.concatenate(
+    [
       rng.integers(0x00800000, 0x7E800000, 100_000).astype(np.uint32).view(np.float32),
       np.float32([3.0, 7.0, 0.1, 65536.0, 2.0**-126, 2.0**126]),
-  ])
+    ]
+  )
   expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
   actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
   assert actual.tobytes() == expected.tobytes()
@@ -123,7 +129,7 @@ def test_inverse_scale_matches_float64_reciprocal():
 
 def test_inverse_scale_of_subnormal_scale_matches_torch():
   # SPEC 3.1: 2^-127 -> 1.7014118346046923e+38 (finite); 1e-39 -> inf.
-  scales = np.float32([2.0**-127, 1e-39, 2.0**-149, 4e-39, -2.0**-127])
+  scales = np.float32([2.0**-127, 1e-39, 2.0**-149, 4e-39, -(2.0**-127)])
   with np.errstate(all="ignore"):
     expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
   actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
@@ -185,7 +191,13 @@ def test_leaf_finite_flags_outside_jit_compiles_once(backend_compiles):
   # per call made every GradScaler.unscale_ recompile them).
   from jaxamp._unscale import leaf_finite_flags
 
-  tree = [jnp.ones((33, 5)), jnp.ones(7), jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((), jnp.float16)]
+  tree = [
+    jnp.ones((33, 5)),
+    jnp.ones(7),
+    jnp.ones((4, 4)),
+    jnp.ones((4, 4)),
+    jnp.ones((), jnp.float16),
+  ]
   assert np.asarray(leaf_finite_flags(tree)).all()
   poisoned = [x.at[0].set(jnp.inf) if x.ndim == 1 else x for x in tree]
   backend_compiles.clear()
