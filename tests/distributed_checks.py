@@ -101,9 +101,9 @@ def _devices_checks() -> dict:
 
   def params(on=mesh):
     return {
-        "w": put(np.linspace(-1, 1, 16, dtype=np.float32), P("data"), on),
-        "m": put(np.arange(32, dtype=np.float32).reshape(8, 4) / 8, P("data", None), on),
-        "r": put(np.array([1.0, 2.0, 3.0], np.float32), P(), on),
+      "w": put(np.linspace(-1, 1, 16, dtype=np.float32), P("data"), on),
+      "m": put(np.arange(32, dtype=np.float32).reshape(8, 4) / 8, P("data", None), on),
+      "r": put(np.array([1.0, 2.0, 3.0], np.float32), P(), on),
     }
 
   def grads(step, on=mesh):
@@ -111,9 +111,9 @@ def _devices_checks() -> dict:
     if step == inf_step:
       w[inf_index] = np.inf
     return {
-        "w": put(w, P("data"), on),
-        "m": put(np.full((8, 4), -0.5, np.float32), P("data", None), on),
-        "r": put(np.array([0.1, 0.2, 0.3], np.float32), P(), on),
+      "w": put(w, P("data"), on),
+      "m": put(np.full((8, 4), -0.5, np.float32), P("data", None), on),
+      "r": put(np.array([0.1, 0.2, 0.3], np.float32), P(), on),
     }
 
   def shards(x):
@@ -128,13 +128,21 @@ def _devices_checks() -> dict:
   def specs(tree):
     return jax.tree.map(sharding, tree)
 
-  scalars = ("loss_scale", "growth_tracker", "found_inf", "skipped_steps",
-             "consecutive_skipped_steps")
+  scalars = (
+    "loss_scale",
+    "growth_tracker",
+    "found_inf",
+    "skipped_steps",
+    "consecutive_skipped_steps",
+  )
 
   def state_spec_strings(state):
     adam = state.inner_state[0]
-    return {**{f: sharding(getattr(state, f)) for f in scalars},
-            "mu": specs(adam.mu), "nu": specs(adam.nu)}
+    return {
+      **{f: sharding(getattr(state, f)) for f in scalars},
+      "mu": specs(adam.mu),
+      "nu": specs(adam.nu),
+    }
 
   def init(tx, p):
     with jax.set_mesh(mesh):
@@ -158,12 +166,13 @@ def _devices_checks() -> dict:
     out = {"param_specs": specs(p), "state_specs": state_spec_strings(state), "steps": []}
     for i in range(4):
       new_p, updates, new_state = step(p, state, grads(i, on))
-      out["steps"].append({
+      out["steps"].append(
+        {
           "param_specs": specs(new_p),
           "update_specs": specs(updates),
           "state_specs": state_spec_strings(new_state),
           "state_scalars_fully_replicated": [
-              getattr(new_state, f).sharding.is_fully_replicated for f in scalars
+            getattr(new_state, f).sharding.is_fully_replicated for f in scalars
           ],
           "scale_per_device": shards(new_state.loss_scale),
           "found_inf": bool(new_state.found_inf),
@@ -171,7 +180,8 @@ def _devices_checks() -> dict:
           "params_after": {k: shards(v) for k, v in new_p.items()},
           "mu_before": shards(state.inner_state[0].mu["w"]),
           "mu_after": shards(new_state.inner_state[0].mu["w"]),
-      })
+        }
+      )
       p, state = new_p, new_state
     return out
 
@@ -194,26 +204,35 @@ def _devices_checks() -> dict:
       new_p, per_device, state = body(p, state, g)
       return new_p, per_device, jax.tree.map(lambda x: x[None], state)
 
-    step = jax.jit(jax.shard_map(
-        stacked_body, mesh=mesh, in_specs=(param_specs, state_specs, param_specs),
+    step = jax.jit(
+      jax.shard_map(
+        stacked_body,
+        mesh=mesh,
+        in_specs=(param_specs, state_specs, param_specs),
         out_specs=(param_specs, P("data"), P("data")),
-    ))
+      )
+    )
     out = {"steps": []}
     # Without axis_name the devices disagree after the inf step, so there is no
     # single state to continue with: that run is the inf step alone.
     for i in range(4) if axis_name is not None else [inf_step]:
       new_p, (scale, found, tracker), stacked = step(p, state, grads(i))
-      out["steps"].append({
+      out["steps"].append(
+        {
           "scale_per_device": _floats(scale),
           "found_inf_per_device": np.asarray(found).tolist(),
           "tracker_per_device": np.asarray(tracker).tolist(),
           "params_before": {k: shards(v) for k, v in p.items() if k != "r"},
           "params_after": {k: shards(v) for k, v in new_p.items() if k != "r"},
-      })
+        }
+      )
       state = jax.tree.map(
-          lambda x, old, s: put(np.asarray(x)[0] if _replicated(s) else
-                                np.asarray(x).reshape(old.shape), s),
-          stacked, state, state_specs,
+        lambda x, old, s: put(
+          np.asarray(x)[0] if _replicated(s) else np.asarray(x).reshape(old.shape), s
+        ),
+        stacked,
+        state,
+        state_specs,
       )
       p = new_p
     return out
@@ -230,10 +249,14 @@ def _devices_checks() -> dict:
       updates, state = tx.update(g, state, p)
       return optax.apply_updates(p, updates), state
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(param_specs, state_specs, param_specs),
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(param_specs, state_specs, param_specs),
         out_specs=(param_specs, state_specs),
-    ))
+      )
+    )
     result = {}
     result["error"] = _error(lambda: step(p, state, grads(inf_step)))
     if result["error"] is None:
@@ -250,10 +273,14 @@ def _devices_checks() -> dict:
         updates, state = tx.update(g, state, p)
         return optax.apply_updates(p, updates), state
 
-      return jax.jit(jax.shard_map(
-          body, mesh=mesh, in_specs=(param_specs, state_specs, param_specs),
+      return jax.jit(
+        jax.shard_map(
+          body,
+          mesh=mesh,
+          in_specs=(param_specs, state_specs, param_specs),
           out_specs=(param_specs, state_specs),
-      ))(p, state, grads(0))
+        )
+      )(p, state, grads(0))
 
     wrong = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name="model", **scaler)
     state = init(wrong, p)
@@ -274,10 +301,14 @@ def _devices_checks() -> dict:
         updates, state = tx.update(g, squeeze(state), p)
         return optax.apply_updates(p, updates), state.loss_scale
 
-      return jax.jit(jax.shard_map(
-          body, mesh=mesh, in_specs=(param_specs, per_device_specs, param_specs),
+      return jax.jit(
+        jax.shard_map(
+          body,
+          mesh=mesh,
+          in_specs=(param_specs, per_device_specs, param_specs),
           out_specs=(param_specs, P()),
-      ))(p, per_device, grads(0))
+        )
+      )(p, per_device, grads(0))
 
     return {"unbound_axis_in_shard_map": unbound, "state_varies": _error(run_checked)}
 
@@ -297,9 +328,14 @@ def _devices_checks() -> dict:
       _, state = tx.update(g, state, w)
       return state.loss_scale.reshape(1, 1), state.found_inf.reshape(1, 1)
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh2, in_specs=(spec, P(), spec), out_specs=(spec, spec),
-    ))
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh2,
+        in_specs=(spec, P(), spec),
+        out_specs=(spec, spec),
+      )
+    )
     scale, found = step(w, state, g)
     return {"scale": np.asarray(scale).tolist(), "found_inf": np.asarray(found).tolist()}
 
@@ -318,14 +354,19 @@ def _devices_checks() -> dict:
       updates, state = tx.update(grads, state, w)
       return optax.apply_updates(w, updates), state
 
-    new_w, new_state = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()),
-    ))(w, state, put(x, P("data")))
+    new_w, new_state = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(), P("data")),
+        out_specs=(P(), P()),
+      )
+    )(w, state, put(x, P("data")))
     return {
-        "found_inf_per_device": [bool(s.data) for s in new_state.found_inf.addressable_shards],
-        "scale_per_device": [float(s.data) for s in new_state.loss_scale.addressable_shards],
-        "params_before": shards(w),
-        "params_after": shards(new_w),
+      "found_inf_per_device": [bool(s.data) for s in new_state.found_inf.addressable_shards],
+      "scale_per_device": [float(s.data) for s in new_state.loss_scale.addressable_shards],
+      "params_before": shards(w),
+      "params_after": shards(new_w),
     }
 
   def pmap_run(axis_name):
@@ -341,10 +382,10 @@ def _devices_checks() -> dict:
 
     new_p, new_state = jax.pmap(body, axis_name="data")(p, state, jnp.asarray(g))
     return {
-        "scale_per_device": _floats(new_state.loss_scale),
-        "found_inf_per_device": np.asarray(new_state.found_inf).tolist(),
-        "params_before": _floats(p),
-        "params_after": _floats(new_p),
+      "scale_per_device": _floats(new_state.loss_scale),
+      "found_inf_per_device": np.asarray(new_state.found_inf).tolist(),
+      "params_before": _floats(p),
+      "params_after": _floats(new_p),
     }
 
   def pmap_unbound():
@@ -354,19 +395,19 @@ def _devices_checks() -> dict:
     return _error(lambda: jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="data")(p, state))
 
   runs = {
-      "jit_sharded": lambda: jit_sharded(mesh),
-      "jit_sharded_auto_axes": lambda: jit_sharded(auto_mesh),
-      "shard_map_axis_name": lambda: shard_map_run("data"),
-      "shard_map_no_axis_name": lambda: shard_map_run(None),
-      "shard_map_replicated_out_axis_name": lambda: shard_map_replicated_out("data"),
-      "shard_map_replicated_out_no_axis_name": lambda: shard_map_replicated_out(None),
-      "shard_map_errors": shard_map_errors,
-      "shard_map_pmean_no_axis_name": shard_map_pmean_no_axis_name,
-      "mesh_2d_both_axes": lambda: mesh_2d(("data", "model")),
-      "mesh_2d_data_axis_only": lambda: mesh_2d("data"),
-      "pmap_axis_name": lambda: pmap_run("data"),
-      "pmap_no_axis_name": lambda: pmap_run(None),
-      "pmap_unbound": pmap_unbound,
+    "jit_sharded": lambda: jit_sharded(mesh),
+    "jit_sharded_auto_axes": lambda: jit_sharded(auto_mesh),
+    "shard_map_axis_name": lambda: shard_map_run("data"),
+    "shard_map_no_axis_name": lambda: shard_map_run(None),
+    "shard_map_replicated_out_axis_name": lambda: shard_map_replicated_out("data"),
+    "shard_map_replicated_out_no_axis_name": lambda: shard_map_replicated_out(None),
+    "shard_map_errors": shard_map_errors,
+    "shard_map_pmean_no_axis_name": shard_map_pmean_no_axis_name,
+    "mesh_2d_both_axes": lambda: mesh_2d(("data", "model")),
+    "mesh_2d_data_axis_only": lambda: mesh_2d("data"),
+    "pmap_axis_name": lambda: pmap_run("data"),
+    "pmap_no_axis_name": lambda: pmap_run(None),
+    "pmap_unbound": pmap_unbound,
   }
   for name, run in runs.items():
     try:
@@ -385,12 +426,12 @@ def _jax_worker(process_id: int, port: int) -> dict:
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}",
-      num_processes=2,
-      process_id=process_id,
-      initialization_timeout=TIMEOUT_S,
-      heartbeat_timeout_seconds=TIMEOUT_S,
-      shutdown_timeout_seconds=TIMEOUT_S,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=TIMEOUT_S,
+    heartbeat_timeout_seconds=TIMEOUT_S,
+    shutdown_timeout_seconds=TIMEOUT_S,
   )
   import jax.numpy as jnp
   import optax
@@ -416,10 +457,10 @@ def _jax_worker(process_id: int, port: int) -> dict:
 
   def record(state):
     return {
-        "scale": float(state.loss_scale.addressable_data(0)),
-        "tracker": int(state.growth_tracker.addressable_data(0)),
-        "found_inf": bool(state.found_inf.addressable_data(0)),
-        "skipped_steps": int(state.skipped_steps.addressable_data(0)),
+      "scale": float(state.loss_scale.addressable_data(0)),
+      "tracker": int(state.growth_tracker.addressable_data(0)),
+      "found_inf": bool(state.found_inf.addressable_data(0)),
+      "skipped_steps": int(state.skipped_steps.addressable_data(0)),
     }
 
   def data_parallel_jit():
@@ -441,12 +482,13 @@ def _jax_worker(process_id: int, port: int) -> dict:
       x, y = batch(i, process_id)
       params_before = local_values(params)
       params, state = step(params, state, global_array(x, rows), global_array(y, rows))
-      history.append({**record(state), "params_before": params_before,
-                      "params_after": local_values(params)})
+      history.append(
+        {**record(state), "params_before": params_before, "params_after": local_values(params)}
+      )
     return {
-        "history": history,
-        "param_specs": {k: _spec(v.sharding.spec) for k, v in params.items()},
-        "scale_spec": _spec(state.loss_scale.sharding.spec),
+      "history": history,
+      "param_specs": {k: _spec(v.sharding.spec) for k, v in params.items()},
+      "scale_spec": _spec(state.loss_scale.sharding.spec),
     }
 
   def sharded_shard_map(axis_name):
@@ -454,9 +496,7 @@ def _jax_worker(process_id: int, port: int) -> dict:
     state; gradients are summed with psum_scatter, so each process sees only
     its half of them. The inf goes into process 1's local gradient of w1[0, 0],
     which lands in process 0's half."""
-    tx = jaxamp.dynamic_loss_scale(
-        optax.sgd(LR, momentum=MOMENTUM), axis_name=axis_name, **CONFIG
-    )
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(LR, momentum=MOMENTUM), axis_name=axis_name, **CONFIG)
     halves = {k: v.reshape(2, -1)[process_id].reshape(-1) for k, v in init_params().items()}
     shapes = {k: v.shape for k, v in init_params().items()}
     params = {k: global_array(v, rows) for k, v in halves.items()}  # flat, sharded
@@ -465,47 +505,62 @@ def _jax_worker(process_id: int, port: int) -> dict:
     state_specs = jax.tree.map(lambda x: x.sharding.spec, state)
 
     def body(params, state, x, y, inject):
-      full = {k: lax.all_gather(v, "data", tiled=True).reshape(shapes[k]) for k, v in params.items()}
+      full = {
+        k: lax.all_gather(v, "data", tiled=True).reshape(shapes[k]) for k, v in params.items()
+      }
       grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), state))(full)
       grads["w1"] = grads["w1"].at[0, 0].set(jnp.where(inject[0], jnp.inf, grads["w1"][0, 0]))
-      grads = {
-          k: lax.psum_scatter(g.reshape(-1), "data", tiled=True) / 2 for k, g in grads.items()
-      }
+      grads = {k: lax.psum_scatter(g.reshape(-1), "data", tiled=True) / 2 for k, g in grads.items()}
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), jax.tree.map(lambda v: v[None], state)
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P("data"), state_specs, P("data"), P("data"), P("data")),
-        out_specs=(P("data"), P("data")), check_vma=axis_name is not None,
-    ))
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("data"), state_specs, P("data"), P("data"), P("data")),
+        out_specs=(P("data"), P("data")),
+        check_vma=axis_name is not None,
+      )
+    )
     history = []
     for i in range(STEPS):
       x, y = batch(i, process_id)
       y = np.where(np.isfinite(y), y, 0.0).astype(np.float32)  # inf goes in the gradient here
       inject = np.array([process_id == 1 and i in INF_STEPS])
       params_before = local_values(params)
-      params, stacked = step(params, state, global_array(x, rows), global_array(y, rows),
-                             global_array(inject, rows))
+      params, stacked = step(
+        params, state, global_array(x, rows), global_array(y, rows), global_array(inject, rows)
+      )
       local = jax.tree.map(lambda v: v.addressable_data(0)[0], stacked)
-      history.append({
-          "scale": float(local.loss_scale), "tracker": int(local.growth_tracker),
-          "found_inf": bool(local.found_inf), "skipped_steps": int(local.skipped_steps),
-          "params_before": params_before, "params_after": local_values(params),
-      })
+      history.append(
+        {
+          "scale": float(local.loss_scale),
+          "tracker": int(local.growth_tracker),
+          "found_inf": bool(local.found_inf),
+          "skipped_steps": int(local.skipped_steps),
+          "params_before": params_before,
+          "params_after": local_values(params),
+        }
+      )
       # Each process continues from its own state (they differ without axis_name).
       state = jax.tree.map(
-          lambda v, s: global_array(np.asarray(v.addressable_data(0)[0]), NamedSharding(mesh, s)),
-          stacked, state_specs,
+        lambda v, s: global_array(np.asarray(v.addressable_data(0)[0]), NamedSharding(mesh, s)),
+        stacked,
+        state_specs,
       )
     return {"history": history}
 
-  result = {"process_id": process_id, "process_count": jax.process_count(),
-            "device_count": jax.device_count(), "collectives":
-            jax.config.jax_cpu_collectives_implementation}
+  result = {
+    "process_id": process_id,
+    "process_count": jax.process_count(),
+    "device_count": jax.device_count(),
+    "collectives": jax.config.jax_cpu_collectives_implementation,
+  }
   for name, run in (
-      ("data_parallel_jit", data_parallel_jit),
-      ("sharded_axis_name", lambda: sharded_shard_map("data")),
-      ("sharded_no_axis_name", lambda: sharded_shard_map(None)),
+    ("data_parallel_jit", data_parallel_jit),
+    ("sharded_axis_name", lambda: sharded_shard_map("data")),
+    ("sharded_no_axis_name", lambda: sharded_shard_map(None)),
   ):
     try:
       result[name] = {"ok": True, "result": run()}
@@ -527,8 +582,11 @@ def _torch_worker(rank: int, port: int) -> dict:
 
   torch.manual_seed(0)
   dist.init_process_group(
-      "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-      timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    "gloo",
+    init_method=f"tcp://127.0.0.1:{port}",
+    rank=rank,
+    world_size=2,
+    timeout=datetime.timedelta(seconds=TIMEOUT_S),
   )
   p = init_params()
   model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -540,14 +598,19 @@ def _torch_worker(rank: int, port: int) -> dict:
   ddp = torch.nn.parallel.DistributedDataParallel(model)
   optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
   scaler = torch.amp.GradScaler(
-      "cpu", init_scale=CONFIG["init_scale"], growth_factor=CONFIG["growth_factor"],
-      backoff_factor=CONFIG["backoff_factor"], growth_interval=CONFIG["growth_interval"],
+    "cpu",
+    init_scale=CONFIG["init_scale"],
+    growth_factor=CONFIG["growth_factor"],
+    backoff_factor=CONFIG["backoff_factor"],
+    growth_interval=CONFIG["growth_interval"],
   )
 
   def jax_layout():
     return {
-        "w1": _floats(model[0].weight.detach().numpy().T), "b1": _floats(model[0].bias.detach()),
-        "w2": _floats(model[2].weight.detach().numpy().T), "b2": _floats(model[2].bias.detach()),
+      "w1": _floats(model[0].weight.detach().numpy().T),
+      "b1": _floats(model[0].bias.detach()),
+      "w2": _floats(model[2].weight.detach().numpy().T),
+      "b2": _floats(model[2].bias.detach()),
     }
 
   history = []
@@ -561,10 +624,15 @@ def _torch_worker(rank: int, port: int) -> dict:
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     found_inf = sum(v.item() for v in found.values()) != 0
     scaler.update()
-    history.append({
-        "scale": scaler.get_scale(), "tracker": int(scaler._get_growth_tracker()),
-        "found_inf": found_inf, "params_before": params_before, "params_after": jax_layout(),
-    })
+    history.append(
+      {
+        "scale": scaler.get_scale(),
+        "tracker": int(scaler._get_growth_tracker()),
+        "found_inf": found_inf,
+        "params_before": params_before,
+        "params_after": jax_layout(),
+      }
+    )
   dist.destroy_process_group()
   return {"rank": rank, "torch": torch.__version__, "history": history}
 

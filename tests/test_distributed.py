@@ -64,8 +64,10 @@ def test_dynamic_loss_scale_axis_name_raises_when_axis_not_in_shard_map_mesh():
   params = _sharded_params(mesh)
   state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
   step = jax.shard_map(
-      lambda g, s: tx.update(g, s, g), mesh=mesh, in_specs=(P("data"), P()),
-      out_specs=(P("data"), P()),
+    lambda g, s: tx.update(g, s, g),
+    mesh=mesh,
+    in_specs=(P("data"), P()),
+    out_specs=(P("data"), P()),
   )
   with pytest.raises(ValueError, match=r"axis_name='model' is not bound.*unbound axis name: model"):
     step(params, state)
@@ -77,8 +79,10 @@ def test_dynamic_loss_scale_axis_name_raises_when_one_of_several_axes_unbound():
   params = _sharded_params(mesh)
   state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
   step = jax.shard_map(
-      lambda g, s: tx.update(g, s, g), mesh=mesh, in_specs=(P("data"), P()),
-      out_specs=(P("data"), P()),
+    lambda g, s: tx.update(g, s, g),
+    mesh=mesh,
+    in_specs=(P("data"), P()),
+    out_specs=(P("data"), P()),
   )
   with pytest.raises(ValueError, match=r"not bound.*unbound axis name: model"):
     step(params, state)
@@ -107,7 +111,7 @@ def test_dynamic_loss_scale_axis_name_raises_when_state_passed_per_device():
   params = _sharded_params(mesh)
   state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
   per_device = state._replace(
-      loss_scale=jax.device_put(jnp.full((1,), 4.0), NamedSharding(mesh, P("data")))
+    loss_scale=jax.device_put(jnp.full((1,), 4.0), NamedSharding(mesh, P("data")))
   )
   specs = jax.tree.map(lambda _: P(), state)._replace(loss_scale=P("data"))
 
@@ -138,16 +142,22 @@ def test_dynamic_loss_scale_axis_name_on_one_device_equals_no_axis_name():
     with jax.set_mesh(mesh):
       state = jax.jit(tx.init)(params)  # Adam's moments sharded like params
     specs = jax.tree.map(lambda x: x.sharding.spec, state)
-    step = jax.jit(jax.shard_map(
-        lambda g, s, tx=tx: tx.update(g, s, g), mesh=mesh, in_specs=(P("data"), specs),
-        out_specs=(P("data"), specs), check_vma=axis_name is not None,
-    ))
+    step = jax.jit(
+      jax.shard_map(
+        lambda g, s, tx=tx: tx.update(g, s, g),
+        mesh=mesh,
+        in_specs=(P("data"), specs),
+        out_specs=(P("data"), specs),
+        check_vma=axis_name is not None,
+      )
+    )
     trace = []
     for g in grads:
       g = {"w": jax.device_put(g, NamedSharding(mesh, P("data")))}
       updates, state = step(g, state)
-      trace.append((np.asarray(updates["w"]).tobytes(), float(state.loss_scale),
-                    bool(state.found_inf)))
+      trace.append(
+        (np.asarray(updates["w"]).tobytes(), float(state.loss_scale), bool(state.found_inf))
+      )
     results.append(trace)
   assert results[0] == results[1]
   assert [t[1:] for t in results[0]] == [(4.0, False), (2.0, True)]
@@ -176,11 +186,15 @@ def _run_pair(mode, tmp_path, timeout=240):
   port = _free_port()
   outs = [tmp_path / f"{mode}-{i}.json" for i in range(2)]
   procs = [
-      subprocess.Popen(
-          [sys.executable, str(CHECKS), mode, str(i), str(port), str(outs[i])],
-          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      )
-      for i in range(2)
+    subprocess.Popen(
+      [sys.executable, str(CHECKS), mode, str(i), str(port), str(outs[i])],
+      env=_env(),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
   ]
   logs, deadline = [], time.monotonic() + timeout
   try:
@@ -201,9 +215,13 @@ def devices(tmp_path_factory):
   """The measurements of ``distributed_checks.py devices`` on 8 CPU devices."""
   out = tmp_path_factory.mktemp("devices") / "devices.json"
   proc = subprocess.run(
-      [sys.executable, str(CHECKS), "devices", str(out)], check=False, cwd=ROOT,
-      capture_output=True, text=True, timeout=300,
-      env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+    [sys.executable, str(CHECKS), "devices", str(out)],
+    check=False,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text())
@@ -271,8 +289,13 @@ def test_dynamic_loss_scale_jit_sharded_keeps_param_shardings_and_replicates_sta
   for step in states:
     specs = step["state_specs"]
     assert specs["mu"] == specs["nu"] == param_specs
-    for field in ("loss_scale", "growth_tracker", "found_inf", "skipped_steps",
-                  "consecutive_skipped_steps"):
+    for field in (
+      "loss_scale",
+      "growth_tracker",
+      "found_inf",
+      "skipped_steps",
+      "consecutive_skipped_steps",
+    ):
       assert specs[field] == "P()", field
 
 
@@ -395,7 +418,7 @@ def _assert_processes_agree(histories):
 
 
 def test_dynamic_loss_scale_two_processes_data_parallel_skip_same_steps(
-    jax_processes, torch_fixtures
+  jax_processes, torch_fixtures
 ):
   iters = _scenario_fixture(torch_fixtures)
   for process_id, process in enumerate(jax_processes):
@@ -417,9 +440,7 @@ def test_dynamic_loss_scale_two_processes_data_parallel_skip_same_steps(
       assert changed == (i not in dc.INF_STEPS), i
 
 
-def test_dynamic_loss_scale_two_processes_sharded_axis_name_all_skip(
-    jax_processes, torch_fixtures
-):
+def test_dynamic_loss_scale_two_processes_sharded_axis_name_all_skip(jax_processes, torch_fixtures):
   # ZeRO-style: the inf lands in process 0's half of the gradient only.
   iters = _scenario_fixture(torch_fixtures)
   histories = [r["history"] for r in _mode(jax_processes, "sharded_axis_name")]
@@ -458,23 +479,28 @@ def _largest(params):
 
 DOC = ROOT / "docs" / "distributed.md"
 RUN_DOC = (
-    "import re, sys\n"
-    "text = open(sys.argv[1]).read()\n"
-    "blocks = re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
-    "assert len(blocks) == 4, len(blocks)\n"
-    "scope = {}\n"
-    "for block in blocks:\n"
-    "  exec(compile(block, sys.argv[1], 'exec'), scope)\n"
-    "import jax\n"
-    "print('ran', len(blocks), 'blocks on', jax.device_count(), 'devices')\n"
+  "import re, sys\n"
+  "text = open(sys.argv[1]).read()\n"
+  "blocks = re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
+  "assert len(blocks) == 4, len(blocks)\n"
+  "scope = {}\n"
+  "for block in blocks:\n"
+  "  exec(compile(block, sys.argv[1], 'exec'), scope)\n"
+  "import jax\n"
+  "print('ran', len(blocks), 'blocks on', jax.device_count(), 'devices')\n"
 )
 
 
 @pytest.mark.parametrize("count", [1, 8])
 def test_distributed_doc_python_examples_run(count):
   proc = subprocess.run(
-      [sys.executable, "-c", RUN_DOC, str(DOC)], check=False, cwd=ROOT, capture_output=True,
-      text=True, timeout=300, env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}"),
+    [sys.executable, "-c", RUN_DOC, str(DOC)],
+    check=False,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}"),
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert proc.stdout.strip() == f"ran 4 blocks on {count} devices"
@@ -498,6 +524,9 @@ def test_dynamic_loss_scale_two_processes_data_parallel_matches_torch(jax_proces
     assert (h["params_after"] != h["params_before"]) == (i not in dc.INF_STEPS), i
   for leaf in ("w1", "b1", "w2", "b2"):  # autodiff and all-reduce order differ in the last bits
     np.testing.assert_allclose(
-        jax_history[-1]["params_after"][leaf], torch_history[-1]["params_after"][leaf],
-        rtol=0, atol=1e-6, err_msg=leaf,
+      jax_history[-1]["params_after"][leaf],
+      torch_history[-1]["params_after"][leaf],
+      rtol=0,
+      atol=1e-6,
+      err_msg=leaf,
     )

@@ -25,7 +25,7 @@ def _reference(scales, factors):
 def _assert_bit_equal(actual, expected):
   actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
   same = (actual.view(np.uint32) == expected.view(np.uint32)) | (
-      np.isnan(actual) & np.isnan(expected)
+    np.isnan(actual) & np.isnan(expected)
   )
   bad = np.flatnonzero(~same)
   assert bad.size == 0, f"{bad.size} mismatches, e.g. {actual[bad[:5]]} vs {expected[bad[:5]]}"
@@ -40,17 +40,19 @@ def test_multiply_exact_matches_float64_reference_on_random_pairs():
   near_max = np.float32(np.finfo(np.float32).max) / rng.uniform(1, 8, n).astype(np.float32)
   near_min = (rng.integers(1, 1 << 25, n) * np.float64(2.0**-149)).astype(np.float32)
   typical = np.float32(2.0) ** rng.integers(-30, 40, n).astype(np.float32) * rng.choice(
-      np.array([1, 3, 1.5, 0.3, 7], np.float32), n
+    np.array([1, 3, 1.5, 0.3, 7], np.float32), n
   )
   scales = np.concatenate([all_bits, near_max, near_min, typical])
   scales = np.where(rng.random(scales.size) < 0.1, -scales, scales).astype(np.float32)
   m = scales.size
-  factors = np.concatenate([
+  factors = np.concatenate(
+    [
       rng.uniform(0.0, 1.0, m // 4),  # non-dyadic backoffs
       rng.uniform(1.0, 3.0, m // 4),  # non-dyadic growths
       np.exp(rng.uniform(-120, 120, m // 4)),  # far from 1: overflow/underflow
       rng.integers(0, 2**63, m - 3 * (m // 4), dtype=np.uint64).view(np.float64),
-  ])
+    ]
+  )
   factors = np.where(np.isfinite(factors), factors, 0.3)[rng.permutation(m)]
   assert m >= 100_000
 
@@ -67,26 +69,26 @@ def test_multiply_exact_matches_float64_reference_on_random_pairs():
 
 
 @pytest.mark.parametrize(
-    "scale,factor",
-    [
-        (3.0, 0.3),
-        (2.0**127, 2.0),
-        (1.7e38, 2),
-        (3e38, 2.0),
-        (2.0**-149, 0.5),  # a tie, rounds to even: 0
-        (2.0**-149, 0.75),
-        (3 * 2.0**-149, 0.5),
-        (8.0, 1e39),  # a factor beyond float32 range
-        (1.0, 1.00000001),  # a growth too close to 1 is a no-op
-        (-4.0, 2.0),
-        (0.0, 2.0),
-        (-0.0, 0.5),
-        (np.inf, 0.5),
-        (-np.inf, 2.0),
-        (np.nan, 2.0),
-        (np.inf, 0.0),
-        (5e-324 * 0 + 1.5, 5e-324),  # a subnormal float64 factor
-    ],
+  "scale,factor",
+  [
+    (3.0, 0.3),
+    (2.0**127, 2.0),
+    (1.7e38, 2),
+    (3e38, 2.0),
+    (2.0**-149, 0.5),  # a tie, rounds to even: 0
+    (2.0**-149, 0.75),
+    (3 * 2.0**-149, 0.5),
+    (8.0, 1e39),  # a factor beyond float32 range
+    (1.0, 1.00000001),  # a growth too close to 1 is a no-op
+    (-4.0, 2.0),
+    (0.0, 2.0),
+    (-0.0, 0.5),
+    (np.inf, 0.5),
+    (-np.inf, 2.0),
+    (np.nan, 2.0),
+    (np.inf, 0.0),
+    (5e-324 * 0 + 1.5, 5e-324),  # a subnormal float64 factor
+  ],
 )
 def test_multiply_exact_special_values(scale, factor):
   actual = jax.jit(lambda s: multiply_exact(s, factor))(jnp.float32(scale))
@@ -122,7 +124,7 @@ def test_multiply_exact_rounds_twice_like_torch_near_float32_ties():
   rng = np.random.default_rng(7)
   n = 50_000
   scales = rng.uniform(1.0, 2.0, n).astype(np.float32) * np.float32(2.0) ** rng.integers(
-      -100, 100, n
+    -100, 100, n
   ).astype(np.float32)
   targets = (rng.uniform(0.5, 4.0, n).astype(np.float32)).astype(np.float64)
   ties = targets + np.spacing(targets.astype(np.float32)).astype(np.float64) / 2
@@ -140,10 +142,14 @@ def _round_once_to_f32(scale, factor):
   """The exact product rounded once to float32 (nearest, ties to even)."""
   exact = Fraction(float(scale)) * Fraction(float(factor))
   guess = np.float32(float(exact))
-  candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+  candidates = [
+    np.nextafter(guess, np.float32(-np.inf)),
+    guess,
+    np.nextafter(guess, np.float32(np.inf)),
+  ]
   return min(
-      candidates,
-      key=lambda c: (abs(Fraction(float(c)) - exact), int(np.asarray(c).view(np.uint32)) & 1),
+    candidates,
+    key=lambda c: (abs(Fraction(float(c)) - exact), int(np.asarray(c).view(np.uint32)) & 1),
   )
 
 
@@ -166,8 +172,10 @@ def test_multiply_exact_either_selects_the_factor_before_multiplying():
   for first, second in ((0.3, 1.5), (0.5, 2.0), (1e39, 1.1), (jnp.float32(0.3), 1.5)):
     for use_first in (True, False):
       either = jax.jit(
-          jax.vmap(lambda s: multiply_exact_either(s, jnp.bool_(use_first), first, second))
+        jax.vmap(
+          lambda s, u=use_first, a=first, b=second: multiply_exact_either(s, jnp.bool_(u), a, b)
+        )
       )(scales)
       factor = first if use_first else second
-      direct = jax.jit(jax.vmap(lambda s: multiply_exact(s, factor)))(scales)
+      direct = jax.jit(jax.vmap(lambda s, f=factor: multiply_exact(s, f)))(scales)
       assert np.asarray(either).tobytes() == np.asarray(direct).tobytes()

@@ -17,14 +17,26 @@ import pytest
 import jaxamp
 
 NAMES = [
-    "basic_gi3", "odd_factors", "nan_first", "neg_inf_gi1", "gf1.1_bf0.9",
-    "adam_skip", "momentum_skip", "float64_params", "bf16_params", "default_65536",
+  "basic_gi3",
+  "odd_factors",
+  "nan_first",
+  "neg_inf_gi1",
+  "gf1.1_bf0.9",
+  "adam_skip",
+  "momentum_skip",
+  "float64_params",
+  "bf16_params",
+  "default_65536",
 ]
-DTYPES = {"torch.float32": jnp.float32, "torch.float64": jnp.float64, "torch.bfloat16": jnp.bfloat16}
+DTYPES = {
+  "torch.float32": jnp.float32,
+  "torch.float64": jnp.float64,
+  "torch.bfloat16": jnp.bfloat16,
+}
 OPTIMIZERS = {
-    "sgd": lambda lr: optax.sgd(lr),
-    "sgd_momentum": lambda lr: optax.sgd(lr, momentum=0.9),
-    "adam": lambda lr: optax.adam(lr),
+  "sgd": lambda lr: optax.sgd(lr),
+  "sgd_momentum": lambda lr: optax.sgd(lr, momentum=0.9),
+  "adam": lambda lr: optax.adam(lr),
 }
 
 
@@ -33,12 +45,12 @@ def _f32_hex(x):
 
 
 def _scaler_kwargs(fixture):
-  return dict(
-      init_scale=fixture["init_scale"],
-      growth_factor=fixture["growth_factor"],
-      backoff_factor=fixture["backoff_factor"],
-      growth_interval=fixture["growth_interval"],
-  )
+  return {
+    "init_scale": fixture["init_scale"],
+    "growth_factor": fixture["growth_factor"],
+    "backoff_factor": fixture["backoff_factor"],
+    "growth_interval": fixture["growth_interval"],
+  }
 
 
 def _precision(fixture):
@@ -47,7 +59,7 @@ def _precision(fixture):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_dynamic_loss_scale_scales_trackers_and_unscaled_grads_match_torch_fixture(
-    name, torch_fixtures
+  name, torch_fixtures
 ):
   fixture = torch_fixtures[name]
   with _precision(fixture):
@@ -83,7 +95,7 @@ def test_dynamic_loss_scale_params_and_optimizer_state_match_torch_fixture(name,
   with _precision(fixture):
     dtype = DTYPES[fixture["param_dtype"]]
     tx = jaxamp.dynamic_loss_scale(
-        OPTIMIZERS[fixture["optimizer"]](fixture["lr"]), **_scaler_kwargs(fixture)
+      OPTIMIZERS[fixture["optimizer"]](fixture["lr"]), **_scaler_kwargs(fixture)
     )
     params = jnp.asarray(fixture["init_params"], dtype)
     state = tx.init(params)
@@ -130,7 +142,7 @@ def _check_optimizer_state(optimizer, inner_state, torch_state, rtol):
       np.testing.assert_allclose(trace, torch_state["momentum_buffer"], rtol=rtol)
 
 
-def test_vendored_fixtures_equal_the_shared_torch_reference():
+def test_fixtures_vendored_copy_equals_the_shared_torch_reference():
   from conftest import FIXTURES, SHARED_FIXTURES
 
   if not SHARED_FIXTURES.exists():

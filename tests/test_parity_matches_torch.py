@@ -27,10 +27,10 @@ from parity import engine, scenarios
 pytestmark = pytest.mark.torch
 
 RUNS = [
-    pytest.param(s, api, id=f"{s.name}[{api}]")
-    for s in scenarios.SCENARIOS
-    for api in ("optax", "grad_scaler")
-    if api in s.apis
+  pytest.param(s, api, id=f"{s.name}[{api}]")
+  for s in scenarios.SCENARIOS
+  for api in ("optax", "grad_scaler")
+  if api in s.apis
 ]
 
 
@@ -53,7 +53,30 @@ def test_parity_scenario_matches_torch(scenario, api):
 def test_parity_registry_covers_every_required_piece():
   by_name = scenarios.REGISTRY
   covered = {n for s in scenarios.SCENARIOS for n in s.spec}
-  assert {7, 8, 9, 10, 11, 12, 13, 18, 26, 27, 28, 29, 30, 32, 33, 35, 43, 44, 53, 54, 55, 59} <= covered
+  assert {
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    18,
+    26,
+    27,
+    28,
+    29,
+    30,
+    32,
+    33,
+    35,
+    43,
+    44,
+    53,
+    54,
+    55,
+    59,
+  } <= covered
   kinds = {o.kind for s in scenarios.SCENARIOS for o in s.optimizers}
   momentum = any(o.momentum for s in scenarios.SCENARIOS for o in s.optimizers)
   assert kinds == {"sgd", "adam", "adamw"} and momentum
@@ -81,8 +104,11 @@ def test_parity_torch_side_reproduces_spec_trajectory_b():
 def test_parity_torch_side_reproduces_spec_growth_cap():
   result = _run("linear_growth_cap", "grad_scaler")
   assert result.curves["torch_scale"] == [
-      8.507059173023462e37, 1.7014118346046923e38, 1.7014118346046923e38,
-      1.7014118346046923e38, 1.7014118346046923e38,
+    8.507059173023462e37,
+    1.7014118346046923e38,
+    1.7014118346046923e38,
+    1.7014118346046923e38,
+    1.7014118346046923e38,
   ]
   assert result.passed, result.failures
 
@@ -158,8 +184,15 @@ def test_parity_resume_loads_the_other_frameworks_checkpoint(monkeypatch):
   result = engine.run(scenarios.REGISTRY["two_layer_adam_save_jax_resume_torch"], "optax")
   assert result.passed, result.failures
   # After 5 steps (inf at 3): 3.0 -> 4.5 at step 2, 4.5 * 0.3 at step 3, tracker 1.
-  assert calls == [{"scale": 1.350000023841858, "growth_factor": 1.5, "backoff_factor": 0.3,
-                    "growth_interval": 3, "_growth_tracker": 1}]
+  assert calls == [
+    {
+      "scale": 1.350000023841858,
+      "growth_factor": 1.5,
+      "backoff_factor": 0.3,
+      "growth_interval": 3,
+      "_growth_tracker": 1,
+    }
+  ]
 
 
 def test_parity_relative_difference_needs_the_same_nonfinite_entries():
@@ -187,16 +220,22 @@ def test_parity_cli_unwritable_output_is_a_clear_error(tmp_path, capsys):
   blocker.write_text("")
   assert cli.main(["--scenario", "linear_noop_growth", "--png", str(blocker / "x.png")]) == 2
   assert "cannot write the PNG to" in capsys.readouterr().err
-  assert cli.main(["--scenario", "linear_noop_growth", "--no-png",
-                   "--json", str(tmp_path)]) == 2
+  assert cli.main(["--scenario", "linear_noop_growth", "--no-png", "--json", str(tmp_path)]) == 2
   assert "is a directory" in capsys.readouterr().err
 
 
 def test_parity_cli_without_torch_is_a_clear_error(tmp_path):
   (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
-  done = subprocess.run([sys.executable, "-m", "parity", "--no-png"], cwd=ROOT, env=env, check=False,
-                        capture_output=True, text=True, timeout=120)
+  done = subprocess.run(
+    [sys.executable, "-m", "parity", "--no-png"],
+    cwd=ROOT,
+    env=env,
+    check=False,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert done.returncode == 2
   assert "torch is not installed" in done.stderr
   assert "pip install -e '.[parity]'" in done.stderr
@@ -205,8 +244,17 @@ def test_parity_cli_without_torch_is_a_clear_error(tmp_path):
 
 def test_parity_cli_writes_table_json_and_png(tmp_path, capsys):
   out_json, out_png = tmp_path / "r" / "results.json", tmp_path / "p" / "curves.png"
-  code = cli.main(["--scenario", "linear_noop_growth", "--no-progress",
-                   "--json", str(out_json), "--png", str(out_png)])
+  code = cli.main(
+    [
+      "--scenario",
+      "linear_noop_growth",
+      "--no-progress",
+      "--json",
+      str(out_json),
+      "--png",
+      str(out_png),
+    ]
+  )
   out = capsys.readouterr().out
   assert code == 0
   assert "linear_noop_growth  dynamic_loss_scale  4" in out
@@ -221,8 +269,9 @@ def test_parity_cli_writes_table_json_and_png(tmp_path, capsys):
 
 def test_parity_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
   monkeypatch.setattr(jaxamp, "dynamic_loss_scale", _float32_factors)
-  code = cli.main(["--scenario", "linear_non_dyadic", "--api", "optax", "--no-png",
-                   "--no-progress"])
+  code = cli.main(
+    ["--scenario", "linear_non_dyadic", "--api", "optax", "--no-png", "--no-progress"]
+  )
   assert code == 1
   assert "FAIL linear_non_dyadic [dynamic_loss_scale]" in capsys.readouterr().out
 

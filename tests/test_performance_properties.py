@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import bits, make_grads, normal_tree
 
 import jaxamp
 
@@ -20,16 +21,13 @@ SHAPES = {"a": (64, 33), "b": (37,), "c": (8, 8, 3)}
 
 
 def _params(seed=0):
-  rng = np.random.default_rng(seed)
-  return {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  return {k: jnp.asarray(x, jnp.float32) for k, x in normal_tree(SHAPES, seed).items()}
 
 
-def _grads(seed, dtype=jnp.float32, bad=None):
-  rng = np.random.default_rng(seed)
-  grads = {k: jnp.asarray(rng.normal(size=s) * 100, dtype) for k, s in SHAPES.items()}
-  if bad is not None:
-    grads["b"] = grads["b"].at[3].set(bad)
-  return grads
+def _normal_grads(seed, dtype=jnp.float32, bad=None):
+  """N(0, 100^2) gradients; ``bad`` (inf, NaN) at b[3] when given."""
+  poison = None if bad is None else ("b", 3, bad)
+  return make_grads(normal_tree(SHAPES, seed), scale=100, dtype=dtype, poison=poison)
 
 
 def _reference_step(tx):
@@ -44,10 +42,6 @@ def _helper_step(tx):
   return lambda grads, state, params: jaxamp.apply_scaled_updates(tx, grads, state, params)
 
 
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 def _scaler_fields(state):
   return state._replace(inner_state=None)
 
@@ -57,19 +51,19 @@ BAD = [None, None, np.inf, np.nan, None, -np.inf, None]
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "inner",
-    [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3, weight_decay=0.1)],
-    ids=["adam", "sgd_momentum", "adamw"],
+  "inner",
+  [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3, weight_decay=0.1)],
+  ids=["adam", "sgd_momentum", "adamw"],
 )
 def test_apply_scaled_updates_matches_update_then_apply_op_by_op(inner, dtype):
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=2.0**10, growth_interval=3)
   ours, ref = (_params(), tx.init(_params())), (_params(), tx.init(_params()))
   with jax.disable_jit():
     for i, bad in enumerate(BAD):
-      grads = _grads(i, dtype, bad)
+      grads = _normal_grads(i, dtype, bad)
       ours = _helper_step(tx)(grads, ours[1], ours[0])
       ref = _reference_step(tx)(grads, ref[1], ref[0])
-      assert _bits(ours) == _bits(ref), i
+      assert bits(ours) == bits(ref), i
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
@@ -83,16 +77,16 @@ def test_apply_scaled_updates_matches_update_then_apply_under_jit(dtype):
   p1 = p2 = _params()
   s1 = s2 = tx.init(p1)
   for i, bad in enumerate(BAD):
-    grads = _grads(i, dtype, bad)
+    grads = _normal_grads(i, dtype, bad)
     before = (p1, s1.inner_state)
     p1, s1 = helper(grads, s1, p1)
     p2, s2 = ref(grads, s2, p2)
-    assert _bits(_scaler_fields(s1)) == _bits(_scaler_fields(s2)), i
+    assert bits(_scaler_fields(s1)) == bits(_scaler_fields(s2)), i
     if bad is not None:
-      assert _bits((p1, s1.inner_state)) == _bits(before), i
+      assert bits((p1, s1.inner_state)) == bits(before), i
     for x, y in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
       np.testing.assert_allclose(
-          np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-8
+        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-8
       )
   assert helper._cache_size() == 1
 
@@ -102,28 +96,28 @@ def test_apply_scaled_updates_skip_keeps_params_and_state_bitwise():
   params = _params()
   state = tx.init(params)
   step = jax.jit(_helper_step(tx))
-  params, state = step(_grads(0), state, params)
+  params, state = step(_normal_grads(0), state, params)
   for bad in (np.inf, -np.inf, np.nan):
-    new_params, new_state = step(_grads(1, bad=bad), state, params)
-    assert _bits((new_params, new_state.inner_state)) == _bits((params, state.inner_state))
+    new_params, new_state = step(_normal_grads(1, bad=bad), state, params)
+    assert bits((new_params, new_state.inner_state)) == bits((params, state.inner_state))
     assert bool(new_state.found_inf)
     assert float(new_state.loss_scale) == float(state.loss_scale) / 2
     state = new_state
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_low_precision_grads_with_float32_params_work_in_both_forms(dtype):
+def test_dynamic_loss_scale_low_precision_grads_with_float32_params_work_in_both_forms(dtype):
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   params = _params()
   for step in (_reference_step(tx), _helper_step(tx)):
     state = tx.init(params)
-    new_params, state = jax.jit(step)(_grads(0, dtype), state, params)
+    new_params, state = jax.jit(step)(_normal_grads(0, dtype), state, params)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new_params))
-    new_params, state = jax.jit(step)(_grads(0, dtype, bad=np.inf), state, new_params)
+    new_params, state = jax.jit(step)(_normal_grads(0, dtype, bad=np.inf), state, new_params)
     assert bool(state.found_inf)
 
 
-def test_one_trace_for_many_steps():
+def test_apply_scaled_updates_traces_once_for_many_steps():
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0, growth_interval=2)
   traces = []
 
@@ -135,22 +129,22 @@ def test_one_trace_for_many_steps():
   params = _params()
   state = tx.init(params)
   for i, bad in enumerate(BAD * 2):
-    params, state = step(_grads(i, bad=bad), state, params)
+    params, state = step(_normal_grads(i, bad=bad), state, params)
   assert len(traces) == 1
 
 
 def _copies_of_param_sized_buffers(hlo: str) -> list[str]:
   sizes = {f"f32[{','.join(map(str, s))}]" for s in SHAPES.values()}
   return [
-      line.strip()
-      for line in hlo.splitlines()
-      if re.search(r"= (f32\[[0-9,]*\])\{[0-9,]*\} copy\(", line)
-      and re.search(r"= (f32\[[0-9,]*\])", line).group(1) in sizes
+    line.strip()
+    for line in hlo.splitlines()
+    if re.search(r"= (f32\[[0-9,]*\])\{[0-9,]*\} copy\(", line)
+    and re.search(r"= (f32\[[0-9,]*\])", line).group(1) in sizes
   ]
 
 
 @pytest.mark.parametrize("form", ["helper", "optax"])
-def test_donated_step_compiles_without_copies_of_params_or_state(form):
+def test_dynamic_loss_scale_donated_step_compiles_without_copies_of_params_or_state(form):
   # Donated in the order the step returns them: JAX pairs each donated input
   # with the first output of its shape, so (grads, state, params) -> (params,
   # state) would pair params with Adam's mu and make XLA copy everything.
@@ -158,14 +152,14 @@ def test_donated_step_compiles_without_copies_of_params_or_state(form):
   step = _helper_step(tx) if form == "helper" else _reference_step(tx)
   params = _params()
   compiled = (
-      jax.jit(lambda p, s, g: step(g, s, p), donate_argnums=(0, 1))
-      .lower(params, tx.init(params), _grads(0))
-      .compile()
+    jax.jit(lambda p, s, g: step(g, s, p), donate_argnums=(0, 1))
+    .lower(params, tx.init(params), _normal_grads(0))
+    .compile()
   )
   assert _copies_of_param_sized_buffers(compiled.as_text()) == []
 
 
-def test_plain_adam_step_has_no_copies_so_the_copy_test_can_see_them():
+def test_copy_count_finds_no_copies_in_plain_adam_step_but_finds_crossed_ones():
   # The check above counts what it should: the same step with the donated
   # buffers paired crosswise does copy.
   tx = optax.adam(1e-3)
@@ -173,14 +167,14 @@ def test_plain_adam_step_has_no_copies_so_the_copy_test_can_see_them():
   params = _params()
   donated_in_output_order = jax.jit(lambda p, s, g: step(g, s, p), donate_argnums=(0, 1))
   crosswise = jax.jit(step, donate_argnums=(1, 2))
-  ok = donated_in_output_order.lower(params, tx.init(params), _grads(0)).compile()
-  crossed = crosswise.lower(_grads(0), tx.init(params), params).compile()
+  ok = donated_in_output_order.lower(params, tx.init(params), _normal_grads(0)).compile()
+  crossed = crosswise.lower(_normal_grads(0), tx.init(params), params).compile()
   assert _copies_of_param_sized_buffers(ok.as_text()) == []
   assert len(_copies_of_param_sized_buffers(crossed.as_text())) >= len(SHAPES)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_step_helper_allocates_no_parameter_sized_temporary(dtype):
+def test_apply_scaled_updates_allocates_no_parameter_sized_temporary(dtype):
   # XLA CPU allocates a step's temporaries afresh on every call, and a fresh
   # buffer costs page faults (about 24 ms per 100 MB here, BENCHMARKS.md).
   # The helper writes params and state in place and materialises nothing of
@@ -226,26 +220,28 @@ def _add_params():
   """An inner transform whose update is ``grads + params``: fused with the
   unscaling, LLVM would contract ``g * inv + p`` into one FMA."""
   return optax.GradientTransformation(
-      lambda params: optax.EmptyState(),
-      lambda updates, state, params: (jax.tree.map(jnp.add, updates, params), state),
+    lambda params: optax.EmptyState(),
+    lambda updates, state, params: (jax.tree.map(jnp.add, updates, params), state),
   )
 
 
 @pytest.mark.parametrize("inner", ["add_params", "identity"])
 @pytest.mark.parametrize("form", ["helper", "optax"])
-def test_fused_unscaling_keeps_torchs_rounded_unscaled_grads(form, inner):
+def test_dynamic_loss_scale_fused_unscaling_keeps_torchs_rounded_unscaled_grads(form, inner):
   # The unscaling runs inside the optimizer's kernels; each unscaled value must
   # still be rounded to float32 (torch materialises it) before the optimizer
   # uses it, and the updates before apply_updates adds them: f32(g * inv) + p,
   # not fma(g, inv, p). With the identity, the helper's params are
   # p + f32(g * inv), also where both roundings meet.
   tx = jaxamp.dynamic_loss_scale(
-      _add_params() if inner == "add_params" else optax.identity(), init_scale=3.0
+    _add_params() if inner == "add_params" else optax.identity(), init_scale=3.0
   )
-  params, grads = _params(1), _grads(2)
+  params, grads = _params(1), _normal_grads(2)
   state = tx.init(params)
   unscaled = {k: np.asarray(grads[k]) * (np.float32(1.0) / np.float32(3.0)) for k in SHAPES}
-  updates = {k: unscaled[k] + np.asarray(params[k]) for k in SHAPES} if inner == "add_params" else unscaled
+  updates = (
+    {k: unscaled[k] + np.asarray(params[k]) for k in SHAPES} if inner == "add_params" else unscaled
+  )
   if form == "helper":
     got, _ = jax.jit(_helper_step(tx))(grads, state, params)
     expected = {k: np.asarray(params[k]) + updates[k] for k in SHAPES}

@@ -7,36 +7,35 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import bits, make_grads
 
 import jaxamp
 
 PARAMS = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.ones(3)}
 
 
-def _grads(scale_factor=1.0, inf=False, dtype=jnp.float32):
-  g = {"w": jnp.full((2, 3), 0.5) * scale_factor, "b": jnp.linspace(-1, 1, 3) * scale_factor}
-  if inf:
-    g["b"] = g["b"].at[1].set(jnp.inf)
-  return jax.tree.map(lambda x: x.astype(dtype), g)
+GRADS = {"w": jnp.full((2, 3), 0.5), "b": jnp.linspace(-1, 1, 3)}
 
 
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+def _scaled_grads(scale_factor=1.0, inf=False, dtype=jnp.float32):
+  """GRADS times ``scale_factor`` as ``dtype``; with ``inf``, b[1] is inf."""
+  poison = ("b", 1, jnp.inf) if inf else None
+  return make_grads(GRADS, scale=scale_factor, dtype=dtype, poison=poison)
 
 
 @pytest.mark.parametrize(
-    "inner",
-    [optax.sgd(0.1), optax.sgd(0.1, momentum=0.9), optax.adam(1e-2), optax.adamw(1e-2)],
-    ids=["sgd", "momentum", "adam", "adamw"],
+  "inner",
+  [optax.sgd(0.1), optax.sgd(0.1, momentum=0.9), optax.adam(1e-2), optax.adamw(1e-2)],
+  ids=["sgd", "momentum", "adam", "adamw"],
 )
 def test_dynamic_loss_scale_keeps_inner_state_on_inf(inner):
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=4.0)
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)
-  _, state = update(_grads(4.0), state, PARAMS)  # a real step first: non-trivial state
-  before = _bits(state.inner_state)
-  updates, after = update(_grads(4.0, inf=True), state, PARAMS)
-  assert _bits(after.inner_state) == before
+  _, state = update(_scaled_grads(4.0), state, PARAMS)  # a real step first: non-trivial state
+  before = bits(state.inner_state)
+  updates, after = update(_scaled_grads(4.0, inf=True), state, PARAMS)
+  assert bits(after.inner_state) == before
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
   assert bool(after.found_inf) and float(after.loss_scale) == 2.0
 
@@ -50,9 +49,9 @@ def test_dynamic_loss_scale_skipped_step_does_not_run_inner_update():
 
   tx = jaxamp.dynamic_loss_scale(optax.GradientTransformation(lambda p: (), update_fn))
   state = tx.init(PARAMS)
-  jax.block_until_ready(jax.jit(tx.update)(_grads(inf=True), state, PARAMS))
+  jax.block_until_ready(jax.jit(tx.update)(_scaled_grads(inf=True), state, PARAMS))
   assert "ran" not in calls  # traced, but never executed: lax.cond picked skip
-  jax.block_until_ready(jax.jit(tx.update)(_grads(), state, PARAMS))
+  jax.block_until_ready(jax.jit(tx.update)(_scaled_grads(), state, PARAMS))
   assert "ran" in calls
 
 
@@ -67,8 +66,8 @@ def test_dynamic_loss_scale_jit_no_recompile_and_no_host_sync():
     return optax.apply_updates(params, updates), opt_state
 
   params, state = PARAMS, tx.init(PARAMS)
-  clean = jax.device_put(_grads(2.0**10))
-  bad = jax.device_put(_grads(2.0**10, inf=True))
+  clean = jax.device_put(_scaled_grads(2.0**10))
+  bad = jax.device_put(_scaled_grads(2.0**10, inf=True))
   params, state = train_step(params, state, clean)  # compile once
   with jax.transfer_guard("disallow"):
     for grads in [clean, bad, clean, clean, clean, bad, clean]:
@@ -83,7 +82,7 @@ def test_dynamic_loss_scale_updates_keep_grad_dtypes(dtype):
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
   state = tx.init(params)
   for inf in (False, True):
-    updates, state = jax.jit(tx.update)(_grads(8.0, inf, dtype), state, params)
+    updates, state = jax.jit(tx.update)(_scaled_grads(8.0, inf, dtype), state, params)
     assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
     assert state.loss_scale.dtype == jnp.float32
   assert float(state.loss_scale) == 4.0
@@ -95,7 +94,7 @@ def test_dynamic_loss_scale_low_precision_grads_with_float32_params():
   state = tx.init(PARAMS)
   for dtype in (jnp.float16, jnp.bfloat16):
     for inf in (False, True):
-      updates, state = jax.jit(tx.update)(_grads(8.0, inf, dtype), state, PARAMS)
+      updates, state = jax.jit(tx.update)(_scaled_grads(8.0, inf, dtype), state, PARAMS)
       assert jax.tree.map(lambda u: u.shape, updates) == jax.tree.map(lambda p: p.shape, PARAMS)
 
 
@@ -111,19 +110,23 @@ def test_dynamic_loss_scale_state_round_trips_through_tree_map_and_cond():
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=3.0, growth_interval=5)
   state = tx.init(PARAMS)
   state = state._replace(
-      loss_scale=jnp.float32(0.75), growth_tracker=jnp.int32(3), found_inf=jnp.bool_(True),
-      skipped_steps=jnp.int32(9), consecutive_skipped_steps=jnp.int32(2),
-      hysteresis_tracker=jnp.int32(4), update_count=jnp.int32(17),
-      nonfinite_leaves=jnp.array([True, False]),
+    loss_scale=jnp.float32(0.75),
+    growth_tracker=jnp.int32(3),
+    found_inf=jnp.bool_(True),
+    skipped_steps=jnp.int32(9),
+    consecutive_skipped_steps=jnp.int32(2),
+    hysteresis_tracker=jnp.int32(4),
+    update_count=jnp.int32(17),
+    nonfinite_leaves=jnp.array([True, False]),
   )
-  _, state = tx.update(_grads(0.75), state, PARAMS)  # non-default inner state too
+  _, state = tx.update(_scaled_grads(0.75), state, PARAMS)  # non-default inner state too
   mapped = jax.tree.map(lambda x: x, state)
-  assert type(mapped) is jaxamp.DynamicLossScaleState and _bits(mapped) == _bits(state)
+  assert type(mapped) is jaxamp.DynamicLossScaleState and bits(mapped) == bits(state)
   through_cond = jax.jit(lambda s: jax.lax.cond(True, lambda: s, lambda: s))(state)
-  assert _bits(through_cond) == _bits(state)
-  assert jax.tree.map(lambda x: (x.dtype, x.shape, getattr(x, "weak_type", False)), through_cond) == (
-      jax.tree.map(lambda x: (x.dtype, x.shape, getattr(x, "weak_type", False)), state)
-  )
+  assert bits(through_cond) == bits(state)
+  assert jax.tree.map(
+    lambda x: (x.dtype, x.shape, getattr(x, "weak_type", False)), through_cond
+  ) == (jax.tree.map(lambda x: (x.dtype, x.shape, getattr(x, "weak_type", False)), state))
 
 
 def test_dynamic_loss_scale_forwards_extra_args():
@@ -134,9 +137,9 @@ def test_dynamic_loss_scale_forwards_extra_args():
     return jax.tree.map(lambda g: -lr_scale * g, updates), state
 
   tx = jaxamp.dynamic_loss_scale(
-      optax.GradientTransformationExtraArgs(lambda p: (), update_fn), init_scale=2.0
+    optax.GradientTransformationExtraArgs(lambda p: (), update_fn), init_scale=2.0
   )
-  updates, _ = tx.update(_grads(2.0), tx.init(PARAMS), PARAMS, lr_scale=3.0)
+  updates, _ = tx.update(_scaled_grads(2.0), tx.init(PARAMS), PARAMS, lr_scale=3.0)
   assert seen["lr_scale"] == 3.0 and updates["w"].tolist() == [[-1.5] * 3] * 2
 
 
@@ -144,7 +147,7 @@ def test_dynamic_loss_scale_disabled_is_identity_scaler():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, enabled=False, growth_factor=0.5)
   state = tx.init(PARAMS)
   assert float(jaxamp.get_loss_scale(state)) == 1.0
-  updates, state = jax.jit(tx.update)(_grads(inf=True), state, PARAMS)
+  updates, state = jax.jit(tx.update)(_scaled_grads(inf=True), state, PARAMS)
   assert np.isneginf(np.asarray(updates["b"])[1])  # applied as given, like torch
   assert float(state.loss_scale) == 1.0 and not bool(state.found_inf)
 
@@ -154,7 +157,7 @@ def test_dynamic_loss_scale_chain_clipping_sees_unscaled_grads():
   # clip to norm 1 -> [0.6, 0.8] (torch: [0.5999999046325684, 0.7999998331069946])
   # -> step lr 1 -> params [2.4000000953674316, 3.200000286102295].
   tx = jaxamp.dynamic_loss_scale(
-      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), init_scale=1024.0
+    optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), init_scale=1024.0
   )
   params = jnp.array([3.0, 4.0])
   state = tx.init(params)
@@ -168,31 +171,31 @@ def test_dynamic_loss_scale_chain_clipping_sees_unscaled_grads():
 
 def test_dynamic_loss_scale_inside_inject_hyperparams():
   tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
-      optax.sgd(0.1), init_scale=3.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=3
+    optax.sgd(0.1), init_scale=3.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=3
   )
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)
   scales = []
   for inf in [0, 0, 0, 1, 0]:
-    _, state = update(_grads(inf=bool(inf)), state, PARAMS)
+    _, state = update(_scaled_grads(inf=bool(inf)), state, PARAMS)
     scales.append(float(jaxamp.get_loss_scale(state)))
   # docs/torch_semantics.md §5.2 (trajectory B); the factors arrive traced as float32: 1.5 exactly,
   # 0.3 as float32(0.3), whose product with 4.5 rounds to the same float32.
   assert scales == [3.0, 3.0, 4.5, 1.350000023841858, 1.350000023841858]
   # Changing a hyperparameter in the state takes effect without recompiling.
   state.hyperparams["backoff_factor"] = jnp.float32(0.5)
-  _, state = update(_grads(inf=True), state, PARAMS)
+  _, state = update(_scaled_grads(inf=True), state, PARAMS)
   assert float(jaxamp.get_loss_scale(state)) == np.float32(1.350000023841858) / 2
 
 
 def test_dynamic_loss_scale_inject_hyperparams_with_float16_params():
   params16 = jax.tree.map(lambda x: x.astype(jnp.float16), PARAMS)
   tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale, hyperparam_dtype=jnp.float32)(
-      optax.sgd(0.1)
+    optax.sgd(0.1)
   )
   state = tx.init(params16)
   assert float(jaxamp.get_loss_scale(state)) == 65536.0
-  updates, state = jax.jit(tx.update)(_grads(dtype=jnp.float16), state, params16)
+  updates, state = jax.jit(tx.update)(_scaled_grads(dtype=jnp.float16), state, params16)
   assert all(u.dtype == jnp.float16 for u in jax.tree.leaves(updates))
   # Without hyperparam_dtype, optax casts init_scale=65536 to float16 (= inf).
   bad = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(optax.sgd(0.1))
@@ -207,7 +210,7 @@ def test_dynamic_loss_scale_multisteps_keeps_scale_within_window():
   # accumulate-then-step loop (scale(loss).backward() k times, one step/update).
   k = 3
   tx = optax.MultiSteps(
-      jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=1), k
+    jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, growth_interval=1), k
   )
   params = jnp.zeros(2)
   state = tx.init(params)
@@ -239,8 +242,9 @@ def test_dynamic_loss_scale_with_nnx_optimizer():
   from flax import nnx
 
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=256.0),
-                            wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+    model, jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=256.0), wrt=nnx.Param
+  )
   x = jnp.ones((4, 3))
   traces = []
 
@@ -269,11 +273,11 @@ def test_dynamic_loss_scale_with_train_state():
   from flax.training import train_state
 
   state = train_state.TrainState.create(
-      apply_fn=None, params=PARAMS, tx=jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0)
+    apply_fn=None, params=PARAMS, tx=jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0)
   )
-  state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, _grads(2.0))
+  state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, _scaled_grads(2.0))
   np.testing.assert_array_equal(state.params["w"], PARAMS["w"] - 0.25)
-  state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, _grads(2.0, inf=True))
+  state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, _scaled_grads(2.0, inf=True))
   np.testing.assert_array_equal(state.params["w"], PARAMS["w"] - 0.25)
   assert float(jaxamp.get_loss_scale(state)) == 1.0
 
@@ -281,11 +285,11 @@ def test_dynamic_loss_scale_with_train_state():
 def test_get_loss_scale_finds_state_anywhere():
   inner = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=512.0)
   holders = [
-      inner,
-      optax.chain(optax.add_decayed_weights(1e-4), inner),
-      optax.multi_transform({"a": inner, "b": optax.set_to_zero()}, {"w": "a", "b": "b"}),
-      optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(optax.sgd(0.1), init_scale=512.0),
-      optax.MultiSteps(inner, 4),
+    inner,
+    optax.chain(optax.add_decayed_weights(1e-4), inner),
+    optax.multi_transform({"a": inner, "b": optax.set_to_zero()}, {"w": "a", "b": "b"}),
+    optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(optax.sgd(0.1), init_scale=512.0),
+    optax.MultiSteps(inner, 4),
   ]
   for tx in holders:
     assert float(jaxamp.get_loss_scale(tx.init(PARAMS))) == 512.0
@@ -295,7 +299,7 @@ def test_get_loss_scale_errors_when_none_or_several():
   with pytest.raises(ValueError, match="found no DynamicLossScaleState"):
     jaxamp.get_loss_scale(optax.adam(1e-3).init(PARAMS))
   two = optax.chain(
-      jaxamp.dynamic_loss_scale(optax.sgd(0.1)), jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1)), jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   )
   with pytest.raises(ValueError, match="found 2 DynamicLossScaleState"):
     jaxamp.get_loss_scale(two.init(PARAMS))
@@ -308,22 +312,22 @@ def test_scale_loss_multiplies_in_float32():
 
 
 @pytest.mark.parametrize(
-    "kwargs,error,message",
-    [
-        (dict(growth_factor=1.0), ValueError, r"The growth factor must be > 1\.0\."),
-        (dict(growth_factor=1.0, backoff_factor=1.0), ValueError, "The growth factor"),
-        (dict(growth_factor=float("nan")), ValueError, "The growth factor"),
-        (dict(backoff_factor=1.0), ValueError, r"The backoff factor must be < 1\.0\."),
-        (dict(backoff_factor=0.0), ValueError, r"backoff factor must be > 0\.0"),
-        (dict(init_scale=0.0), ValueError, "init_scale must be a finite positive"),
-        (dict(init_scale=-2.0), ValueError, "init_scale must be a finite positive"),
-        (dict(init_scale=float("inf")), ValueError, "init_scale must be a finite positive"),
-        (dict(init_scale=1e-46), ValueError, r"float32: 0\.0"),
-        (dict(init_scale=1e39), ValueError, "without overflow"),
-        (dict(growth_interval=2.5), TypeError, "growth_interval must be an int"),
-        (dict(growth_interval=True), TypeError, "growth_interval must be an int"),
-        (dict(growth_interval=jnp.float32(3)), TypeError, "growth_interval must be an int"),
-    ],
+  "kwargs,error,message",
+  [
+    ({"growth_factor": 1.0}, ValueError, r"The growth factor must be > 1\.0\."),
+    ({"growth_factor": 1.0, "backoff_factor": 1.0}, ValueError, "The growth factor"),
+    ({"growth_factor": float("nan")}, ValueError, "The growth factor"),
+    ({"backoff_factor": 1.0}, ValueError, r"The backoff factor must be < 1\.0\."),
+    ({"backoff_factor": 0.0}, ValueError, r"backoff factor must be > 0\.0"),
+    ({"init_scale": 0.0}, ValueError, "init_scale must be a finite positive"),
+    ({"init_scale": -2.0}, ValueError, "init_scale must be a finite positive"),
+    ({"init_scale": float("inf")}, ValueError, "init_scale must be a finite positive"),
+    ({"init_scale": 1e-46}, ValueError, r"float32: 0\.0"),
+    ({"init_scale": 1e39}, ValueError, "without overflow"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval must be an int"),
+    ({"growth_interval": True}, TypeError, "growth_interval must be an int"),
+    ({"growth_interval": jnp.float32(3)}, TypeError, "growth_interval must be an int"),
+  ],
 )
 def test_dynamic_loss_scale_rejects_invalid_hyperparameters(kwargs, error, message):
   with pytest.raises(error, match=message):
@@ -335,17 +339,17 @@ def test_dynamic_loss_scale_accepts_torch_edge_intervals():
     tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, growth_interval=interval)
     state = tx.init(PARAMS)
     for _ in range(3):
-      _, state = tx.update(_grads(), state, PARAMS)
+      _, state = tx.update(_scaled_grads(), state, PARAMS)
     assert float(state.loss_scale) == 8.0 and int(state.growth_tracker) == 3
 
 
 @pytest.mark.parametrize(
-    "bad,message",
-    [
-        ({"w": jnp.ones((2, 3), jnp.int32), "b": jnp.ones(3)}, r"leaf \['w'\] has dtype int32"),
-        ({"w": jnp.ones((2, 3)), "b": jnp.ones(3, bool)}, r"leaf \['b'\] has dtype bool"),
-        ({"w": jnp.ones((2, 3), jnp.complex64), "b": jnp.ones(3)}, "dtype complex64"),
-    ],
+  "bad,message",
+  [
+    ({"w": jnp.ones((2, 3), jnp.int32), "b": jnp.ones(3)}, r"leaf \['w'\] has dtype int32"),
+    ({"w": jnp.ones((2, 3)), "b": jnp.ones(3, bool)}, r"leaf \['b'\] has dtype bool"),
+    ({"w": jnp.ones((2, 3), jnp.complex64), "b": jnp.ones(3)}, "dtype complex64"),
+  ],
 )
 def test_dynamic_loss_scale_rejects_non_float_grads(bad, message):
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
@@ -364,15 +368,16 @@ def test_dynamic_loss_scale_rejects_grads_of_another_tree():
 
 def test_dynamic_loss_scale_traced_hyperparameters_are_not_validated_but_work():
   def run(growth):
-    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, growth_factor=growth,
-                                   growth_interval=1)
-    _, state = tx.update(_grads(), tx.init(PARAMS), PARAMS)
+    tx = jaxamp.dynamic_loss_scale(
+      optax.sgd(0.1), init_scale=2.0, growth_factor=growth, growth_interval=1
+    )
+    _, state = tx.update(_scaled_grads(), tx.init(PARAMS), PARAMS)
     return state.loss_scale
 
   assert float(jax.jit(run)(jnp.float32(1.5))) == 3.0
 
 
-def test_update_outside_jit_compiles_once(backend_compiles):
+def test_dynamic_loss_scale_update_outside_jit_compiles_once(backend_compiles):
   # Outside jit the whole update is jitted once per shapes: a lax.cond of
   # fresh closures would compile on every call (hundreds of ms a step).
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0)
