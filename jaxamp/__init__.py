@@ -1,6 +1,8 @@
 """jaxamp: torch's automatic-mixed-precision GradScaler for JAX, bit for bit."""
 
+from jaxamp._accumulation import AccumulateGradientsState, accumulate_gradients
 from jaxamp._checkpoint import load_state_dict, state_dict
+from jaxamp._clipping import ClipGradNormState, clip_by_torch_norm, clip_grad_norm
 from jaxamp._finite import all_finite
 from jaxamp._grad_scaler import GradScaler
 from jaxamp._optimizer import Optimizer
@@ -18,11 +20,16 @@ from jaxamp._unscale import inverse_scale, unscale_and_check
 __version__ = "0.1.0"
 
 __all__ = [
+  "AccumulateGradientsState",
+  "ClipGradNormState",
   "DynamicLossScaleState",
   "GradScaler",
   "Optimizer",
+  "accumulate_gradients",
   "all_finite",
   "apply_scaled_updates",
+  "clip_by_torch_norm",
+  "clip_grad_norm",
   "dynamic_loss_scale",
   "find_loss_scale_state",
   "get_loss_scale",

@@ -71,6 +71,7 @@ class LossScaleConfig:
   consecutive_hysteresis: bool = False
   max_consecutive_skips: Any = None
   detect_unscale_overflow: bool = False
+  schedule_counts: str = "applied"
 
   def _values(self) -> tuple:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -238,6 +239,12 @@ def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig
   for name in ("consecutive_hysteresis", "detect_unscale_overflow"):
     _check_flag(name, getattr(config, name))
   _check_axis_name(config.axis_name)
+  if config.schedule_counts not in ("applied", "iterations"):
+    raise ValueError(
+      'jaxamp: schedule_counts must be "applied" (optax: schedules count applied '
+      'updates) or "iterations" (torch: skipped ones too), got '
+      f"{config.schedule_counts!r}."
+    )
   if static:
     integers = ("growth_interval", "hysteresis", "max_consecutive_skips")
     config = config.replace(

@@ -28,6 +28,7 @@ from jaxamp._config import LossScaleConfig, check_new_scale, loss_scale_config, 
 from jaxamp._core import LossScaleCore, advance, init_core, int32_array, scale_array
 from jaxamp._optimizer import Optimizer, per_param_leaf, updated
 from jaxamp._scaling import multiply_by_scale
+from jaxamp._schedules import advance_schedule_counts
 from jaxamp._unscale import finite_leaves, unscale
 from jaxamp._validation import check_float_gradients
 
@@ -75,15 +76,17 @@ def _is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
 
 
-def _step_unless(
-  tx: Any, found_inf: jax.Array, grads: Any, params: Any, opt_state: Any, extra_args: dict
-):
-  """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``."""
-  return lax.cond(
-    found_inf,
-    lambda: (params, opt_state),
-    lambda: updated(tx, grads, opt_state, params, **extra_args),
-  )
+def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
+  """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``
+  (with the schedules advanced, for ``schedule_counts="iterations"``)."""
+  tx, schedule_counts = static
+
+  def skip():
+    if schedule_counts == "iterations":
+      return params, advance_schedule_counts(opt_state)
+    return params, opt_state
+
+  return lax.cond(found_inf, skip, lambda: updated(tx, grads, opt_state, params, **extra_args))
 
 
 def _advance(config: LossScaleConfig, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:
@@ -135,6 +138,10 @@ class GradScaler:
       only) the options of :func:`~jaxamp.dynamic_loss_scale`, as Python
       values, applied by ``update()`` to the found_inf combined over all
       optimizers (``detect_unscale_overflow`` by ``unscale_``/``step``).
+    schedule_counts: (keyword only) ``"applied"`` or ``"iterations"``, as in
+      :func:`~jaxamp.dynamic_loss_scale`: with ``"iterations"`` a skipped
+      ``step`` still advances the schedules in the optimizer's state, as
+      torch's ``scheduler.step()`` runs every iteration.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -164,6 +171,7 @@ class GradScaler:
     consecutive_hysteresis: bool = False,
     max_consecutive_skips: int | None = None,
     detect_unscale_overflow: bool = False,
+    schedule_counts: str = "applied",
   ):
     """Creates a scaler; see the class docstring."""
     self._states: dict[int, _Record] = {}
@@ -184,6 +192,7 @@ class GradScaler:
       consecutive_hysteresis=bool(consecutive_hysteresis),
       max_consecutive_skips=max_consecutive_skips,
       detect_unscale_overflow=bool(detect_unscale_overflow),
+      schedule_counts=schedule_counts,
     )
     self._core = init_core(self._config)
 
@@ -328,15 +337,11 @@ class GradScaler:
       grads, found_inf = optimizer.grads, record.found_inf
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
+    static = (optimizer.tx, self._config.schedule_counts)
     params, opt_state = call_compiled(
-      _step_unless,
-      optimizer.tx,
-      found_inf,
-      grads,
-      optimizer.params,
-      optimizer.opt_state,
-      extra_args,
+      _step_unless, static, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
     )
+
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     if nonfinite is not None:
       optimizer.nonfinite_leaves = nonfinite

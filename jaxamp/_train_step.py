@@ -9,6 +9,14 @@ import jax
 import optax
 from jax import lax
 
+from jaxamp._accumulation import (
+  AccumulateGradients,
+  AccumulateGradientsState,
+  accumulated,
+  after_window,
+  window_ends,
+  within_window,
+)
 from jaxamp._compile import call_compiled
 from jaxamp._state_access import find_loss_scale_state
 from jaxamp._transform import KNOWN_CHECK, DynamicLossScaleState, KnownCheck, check_gradients
@@ -26,11 +34,16 @@ _IN_FRONT = (
 def _check_sees_grads_as_given(opt_state: Any) -> None:
   """Raises unless the jaxamp state is where its transformation receives the
   gradients unchanged: bare, inside ``optax.inject_hyperparams``, or first in
-  ``optax.chain``, recursively."""
-  node = opt_state  # a layout, not a type, is wrong here: ValueError, as documented
+  ``optax.chain``, recursively, under at most an outermost ``accumulate_gradients``
+  (whose window sum the fast path checks)."""
+  # A layout, not a type, is wrong here: ValueError, as documented.
+  root = isinstance(opt_state, AccumulateGradientsState)
+  node = opt_state.inner_state if root else opt_state
   while not isinstance(node, DynamicLossScaleState):
-    if isinstance(node, optax.MultiStepsState):
-      raise ValueError(_IN_FRONT.format("optax.MultiSteps around it accumulates them first"))  # noqa: TRY004
+    if isinstance(node, (optax.MultiStepsState, AccumulateGradientsState)):
+      name = "optax.MultiSteps" if isinstance(node, optax.MultiStepsState) else "an inner"
+      what = "accumulates them first; only an outermost jaxamp.accumulate_gradients can"
+      raise ValueError(_IN_FRONT.format(f"{name} around it {what}"))  # noqa: TRY004
     if isinstance(node, _INJECT_STATES):
       node = node.inner_state
     elif type(node) is tuple and node:  # optax.chain
@@ -62,9 +75,11 @@ def apply_scaled_updates(
   the same optax step may.
 
   ``tx`` holds a :func:`dynamic_loss_scale` that receives ``grads`` unchanged:
-  bare, inside ``optax.inject_hyperparams``, or first in ``optax.chain``;
-  anything else (a transformation in front of it, ``optax.MultiSteps`` around
-  it) is refused, since the gradients it would check are not these. The
+  bare, inside ``optax.inject_hyperparams``, or first in ``optax.chain``, and
+  ``tx`` may be :func:`accumulate_gradients` around that (then each call adds
+  ``grads`` to the window, and the window's last runs the fused step on the
+  sum); anything else (a transformation in front of it, ``optax.MultiSteps``
+  around it) is refused, since the gradients it would check are not these. The
   gradients are checked once; the step then runs in a ``lax.cond``: on finite
   gradients the whole update (unscale, inner optimizer, ``apply_updates``)
   compiles to one branch that XLA fuses, with no materialised updates and no
@@ -113,6 +128,11 @@ def apply_scaled_updates(
       f"in tx was built with axis_name={config.axis_name!r}; the devices would take "
       "different branches. Leave axis_name out here: the transform's is used."
     )
+  if isinstance(opt_state, AccumulateGradientsState) and not isinstance(tx, AccumulateGradients):
+    raise TypeError(
+      "jaxamp.apply_scaled_updates: the state is jaxamp.accumulate_gradients' but tx is "
+      "not the transformation it returned; pass that one, unwrapped."
+    )
   if config.enabled:
     _check_sees_grads_as_given(opt_state)
   check_float_gradients(grads)
@@ -121,6 +141,22 @@ def apply_scaled_updates(
 
 
 def _apply_scaled_updates(tx, grads, opt_state, params, extra_args):
+  if not isinstance(opt_state, AccumulateGradientsState):
+    return _fused_step(tx, grads, opt_state, params, extra_args)
+  total = accumulated(grads, opt_state)
+
+  def end(params, state):
+    new_params, inner_state = _fused_step(tx.inner, total, state.inner_state, params, extra_args)
+    return new_params, after_window(state, total, inner_state)
+
+  def hold(params, state):
+    return params, within_window(state, total)
+
+  return lax.cond(window_ends(opt_state, tx.every_k), end, hold, params, opt_state)
+
+
+def _fused_step(tx, grads, opt_state, params, extra_args):
+  """Check ``grads`` once, then the whole update in one branch, or the skip."""
   scale_state = find_loss_scale_state(opt_state)
   config = scale_state.config
   if not config.enabled:  # a disabled scaler checks nothing and never skips

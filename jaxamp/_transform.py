@@ -13,6 +13,7 @@ from jaxamp._compile import call_compiled
 from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
+from jaxamp._schedules import advance_schedule_counts
 from jaxamp._unscale import finite_leaves, rounded, runtime_zero, unscale
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
 
@@ -119,7 +120,10 @@ def _update(static, grads, state, params, extra_args, known, injected):
     return inner.update(unscaled, inner_state, params, **extra_args)
 
   def skip(grads, inner_state, params):
-    return _skipped(apply, grads, inner_state, params)
+    updates, inner_state = _skipped(apply, grads, inner_state, params)
+    if config.schedule_counts == "iterations":
+      inner_state = advance_schedule_counts(inner_state)
+    return updates, inner_state
 
   operands = (grads, state.inner_state, params)
   if known is None:
@@ -164,6 +168,7 @@ def dynamic_loss_scale(
   consecutive_hysteresis: bool = False,
   max_consecutive_skips: int | None = None,
   detect_unscale_overflow: bool = False,
+  schedule_counts: str = "applied",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -205,6 +210,13 @@ def dynamic_loss_scale(
       raise from the jitted step.
     detect_unscale_overflow: (not in torch) also skip when unscaling itself
       overflows (docs/torch_semantics.md §3.2).
+    schedule_counts: ``"applied"`` (optax's way, the default): a skipped step
+      leaves the inner state untouched, schedules included, so a schedule
+      counts applied updates. ``"iterations"`` (torch's way): a skipped step
+      still advances the schedules inside ``inner`` (``optax.scale_by_schedule``,
+      hence a schedule given as a learning rate, and ``inject_hyperparams``),
+      as torch's ``LRScheduler.step()`` runs every iteration, while the
+      optimizer's own counts (Adam's) stay (docs/porting.md, "Schedules").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -244,6 +256,7 @@ def dynamic_loss_scale(
     consecutive_hysteresis=consecutive_hysteresis,
     max_consecutive_skips=max_consecutive_skips,
     detect_unscale_overflow=detect_unscale_overflow,
+    schedule_counts=schedule_counts,
   )
   recorded = config.recorded()
   static = (inner, recorded)  # the caller's inner: the same object on every call

@@ -623,7 +623,7 @@ def test_grad_scaler_get_scale_is_raw_before_first_scale():
     (np.float32(2.5), 2.5),
     (jnp.float32(2.5), 2.5),
     (np.asarray(1 / 3), 0.3333333432674408),
-    (-1.0, -1.0),
+    # -1.0, which torch accepts, is now refused (test_grad_scaler_update_bad_new_scale...).
   ],
 )
 def test_grad_scaler_update_new_scale_sets_scale_keeps_tracker(new_scale, expected):

@@ -1,0 +1,109 @@
+"""Gradient accumulation as torch does it: sum ``.grad`` over micro-batches, step, zero."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+
+class AccumulateGradientsState(NamedTuple):
+  """State of :func:`accumulate_gradients`.
+
+  Attributes:
+    mini_step: micro-batches accumulated in this window so far, int32 ``[]``.
+    acc_grads: their gradients summed, in the params' dtypes.
+    inner_state: the wrapped transformation's state.
+  """
+
+  mini_step: jax.Array
+  acc_grads: Any
+  inner_state: optax.OptState
+
+
+class AccumulateGradients(optax.GradientTransformationExtraArgs):
+  """The transformation :func:`accumulate_gradients` returns; it keeps ``inner``
+  and ``every_k`` so that ``jaxamp.apply_scaled_updates`` can run its fast path."""
+
+  inner: optax.GradientTransformationExtraArgs
+  every_k: int
+
+
+def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
+  """This window's gradients so far, ``grads`` included (``acc + grads``)."""
+  return jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), state.acc_grads, grads)
+
+
+def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
+  return state.mini_step == every_k - 1
+
+
+def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
+  """The state after a window's last micro-batch: zero gradients, new inner state."""
+  zeros = jax.tree.map(jnp.zeros_like, total)  # zeros, not 0 * acc: acc may hold inf
+  return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner_state)
+
+
+def within_window(state: AccumulateGradientsState, total: Any) -> AccumulateGradientsState:
+  return state._replace(mini_step=state.mini_step + 1, acc_grads=total)
+
+
+def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> AccumulateGradients:
+  """Sums the gradients of ``every_k`` calls and passes the sum to ``inner`` on the last.
+
+  torch's accumulation, line for line: each ``loss.backward()`` adds into
+  ``param.grad``, ``scaler.step`` / ``scaler.update`` run at the end of the
+  window, and ``zero_grad()`` starts the next one from zero. Around
+  :func:`~jaxamp.dynamic_loss_scale` the scale stays fixed inside a window and
+  is updated once per window; a window with an inf or NaN is skipped and the
+  next starts from zero. Unlike ``optax.MultiSteps`` it sums rather than
+  averages (a torch loop divides its loss by ``iters_to_accumulate``), and it
+  resets with zeros, where ``MultiSteps``' ``0 * acc`` turns an inf into a NaN
+  that poisons every later window. Calls within a window return zero updates.
+
+  Args:
+    inner: the transformation run once per window on the summed gradients.
+    every_k: micro-batches per window (an int >= 1).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 2)
+    >>> params = {"w": jnp.zeros(1)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(1)}, state, params)
+    >>> updates["w"].tolist()
+    [0.0]
+    >>> updates, state = tx.update({"w": jnp.full(1, 2.0)}, state, params)
+    >>> updates["w"].tolist()
+    [-3.0]
+  """
+  if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral) or every_k < 1:
+    raise ValueError(f"jaxamp: every_k must be an int >= 1, got {every_k!r}.")
+  every_k = int(every_k)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    total = accumulated(updates, state)
+
+    def end(total, inner_state, params):
+      new_updates, inner_state = inner.update(total, inner_state, params, **extra_args)
+      return new_updates, after_window(state, total, inner_state)
+
+    def hold(total, inner_state, params):
+      shapes, _ = jax.eval_shape(end, total, inner_state, params)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      return zeros, within_window(state, total)
+
+    return lax.cond(window_ends(state, every_k), end, hold, total, state.inner_state, params)
+
+  tx = AccumulateGradients(init_fn, update_fn)
+  tx.inner, tx.every_k = inner, every_k
+  return tx

@@ -1,0 +1,93 @@
+"""torch's ``clip_grad_norm_``: its formula, as a function and as an optax transformation."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _norm(x: jax.Array, norm_type: float) -> jax.Array:
+  """``torch.linalg.vector_norm(x, norm_type)``, computed in float32 (or float64)."""
+  x = jnp.abs(x.reshape(-1).astype(jnp.promote_types(x.dtype, jnp.float32)))
+  if norm_type == float("inf"):
+    return jnp.max(x, initial=0.0)
+  if norm_type == 2.0:
+    return jnp.sqrt(jnp.sum(x * x))
+  return jnp.sum(x**norm_type) ** (1.0 / norm_type)
+
+
+def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple[Any, jax.Array]:
+  """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, functional.
+
+  torch's formula: each leaf's norm (in its dtype), the norm of those norms,
+  then every gradient times ``min(max_norm / (total_norm + 1e-6), 1)``, the
+  coefficient applied even when it is 1. ``optax.clip_by_global_norm`` differs:
+  it scales by ``max_norm / total_norm`` and only when the norm exceeds
+  ``max_norm``. The norms are sums, so they agree with torch's to float32
+  rounding (the order of the sum differs), not bit for bit.
+
+  Args:
+    grads: a pytree of floating-point arrays (``None`` leaves pass through).
+    max_norm: the largest total norm kept.
+    norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+
+  Returns:
+    ``(clipped_grads, total_norm)``, as torch returns the total norm.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> clipped, norm = jaxamp.clip_grad_norm({"w": jnp.array([3.0, 4.0])}, 1.0)
+    >>> float(norm), clipped["w"].tolist()
+    (5.0, [0.6000000238418579, 0.800000011920929])
+  """
+  leaves = jax.tree.leaves(grads)
+  if not leaves:
+    return grads, jnp.zeros([], jnp.float32)
+  norms = [_norm(g, norm_type).astype(g.dtype) for g in leaves]
+  dtype = jnp.result_type(*norms)
+  total = _norm(jnp.stack([n.astype(dtype) for n in norms]), norm_type).astype(dtype)
+  coefficient = jnp.minimum(max_norm / (total + 1e-6), 1.0)
+
+  def scaled(g):
+    opmath = jnp.promote_types(g.dtype, jnp.float32)
+    return (g.astype(opmath) * coefficient.astype(opmath)).astype(g.dtype)
+
+  return jax.tree.map(scaled, grads), total
+
+
+class ClipGradNormState(NamedTuple):
+  """The total norm of the last update's gradients, before clipping."""
+
+  total_norm: jax.Array
+
+
+def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:
+  """:func:`clip_grad_norm` as an optax transformation (torch's clipping formula).
+
+  Put it inside :func:`~jaxamp.dynamic_loss_scale`, where it sees unscaled
+  gradients, as torch clips after ``scaler.unscale_``. Its state keeps the
+  total norm, as ``clip_grad_norm_`` returns it.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(
+    ...     optax.chain(jaxamp.clip_by_torch_norm(1.0), optax.sgd(1.0)), init_scale=4.0)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> updates, state = tx.update({"w": jnp.array([12.0, 16.0])}, tx.init(params), params)
+    >>> updates["w"].tolist(), float(state.inner_state[0].total_norm)
+    ([-0.6000000238418579, -0.800000011920929], 5.0)
+  """
+
+  def init_fn(params):
+    del params
+    return ClipGradNormState(jnp.zeros([], jnp.float32))
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    clipped, total = clip_grad_norm(updates, max_norm, norm_type)
+    return clipped, ClipGradNormState(total.astype(jnp.float32))
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,54 @@
+"""torch's schedule semantics on skipped steps: the schedules count iterations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+# The state of the stateful schedule inject_hyperparams wraps a schedule in.
+_WRAPPED_SCHEDULE_STATE = type(optax.WrappedSchedule(lambda count: count).init())
+# The optax states whose ``count`` drives a schedule (not an optimizer's own
+# count, such as Adam's bias correction).
+SCHEDULE_STATES = (
+  optax.ScaleByScheduleState,
+  _WRAPPED_SCHEDULE_STATE,
+  optax.InjectHyperparamsState,
+  optax.InjectStatefulHyperparamsState,
+)
+
+
+def _is_schedule_state(x: Any) -> bool:
+  return isinstance(x, SCHEDULE_STATES)
+
+
+def _advanced(node: Any) -> Any:
+  if not _is_schedule_state(node):
+    return node
+  if isinstance(node, (optax.ScaleByScheduleState, _WRAPPED_SCHEDULE_STATE)):
+    return node._replace(count=optax.safe_increment(node.count))
+  if isinstance(node, optax.InjectStatefulHyperparamsState):
+    for name, schedule_state in node.hyperparams_states.items():
+      if not isinstance(schedule_state, _WRAPPED_SCHEDULE_STATE):
+        raise TypeError(
+          f"jaxamp: schedule_counts='iterations' cannot advance the stateful schedule "
+          f"of {name!r} ({type(schedule_state).__name__}) on a skipped step; give "
+          "inject_hyperparams a plain schedule function, or use schedule_counts='applied'."
+        )
+    node = node._replace(
+      hyperparams_states={k: _advanced(v) for k, v in node.hyperparams_states.items()}
+    )
+  return node._replace(
+    count=optax.safe_increment(node.count), inner_state=advance_schedule_counts(node.inner_state)
+  )
+
+
+def advance_schedule_counts(inner_state: Any) -> Any:
+  """``inner_state`` with every schedule count one step on, and nothing else changed.
+
+  On a skipped step torch's ``LRScheduler.step()`` still advances while the
+  optimizer's own step count does not: with ``schedule_counts="iterations"``
+  the skipped step's inner state is this instead of the untouched state.
+  """
+  return jax.tree.map(_advanced, inner_state, is_leaf=_is_schedule_state)
