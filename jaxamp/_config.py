@@ -72,6 +72,7 @@ class LossScaleConfig:
   max_consecutive_skips: Any = None
   detect_unscale_overflow: bool = False
   schedule_counts: str = "applied"
+  param_labels: Any = None  # a ParamLabels: one optimizer per label (_groups.py)
 
   def _values(self) -> tuple:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))

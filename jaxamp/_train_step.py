@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -18,6 +19,7 @@ from jaxamp._accumulation import (
   within_window,
 )
 from jaxamp._compile import call_compiled
+from jaxamp._groups import skipped_leaves
 from jaxamp._state_access import find_loss_scale_state
 from jaxamp._transform import KNOWN_CHECK, DynamicLossScaleState, KnownCheck, check_gradients
 from jaxamp._unscale import rounded, runtime_zero
@@ -170,8 +172,15 @@ def _fused_step(tx, grads, opt_state, params, extra_args):
 
   def skip(params, opt_state):
     # found_inf is a constant here, so the transform runs no lax.cond of its own.
-    _, new_state = update(params, opt_state, True)
-    return params, new_state
+    updates, new_state = update(params, opt_state, True)
+    if config.param_labels is None:
+      return params, new_state
+    # Several optimizers: the groups whose gradients are finite still step.
+    skipped = skipped_leaves(nonfinite, config.param_labels.of(grads))
+    stepped = optax.apply_updates(params, updates)
+    leaves, treedef = jax.tree.flatten(params)
+    kept = [jnp.where(s, p, n) for s, p, n in zip(skipped, leaves, jax.tree.leaves(stepped))]
+    return jax.tree.unflatten(treedef, kept), new_state
 
   def apply(params, opt_state):
     # XLA CPU contracts a * b + c into an FMA inside a fusion, where tx.update

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ from jaxamp._compile import call_compiled
 from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
+from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
 from jaxamp._schedules import advance_schedule_counts
 from jaxamp._unscale import finite_leaves, rounded, runtime_zero, unscale
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
@@ -106,7 +108,11 @@ def _skipped(applied_step, grads, inner_state, params):
 def _update(static, grads, state, params, extra_args, known, injected):
   """One torch iteration: check, apply or skip the inner update, advance the core."""
   inner, recorded = static
-  inner, config = optax.with_extra_args_support(inner), recorded.replace(**injected)
+  config = recorded.replace(**injected)
+  if config.param_labels is None:
+    inner, labels = optax.with_extra_args_support(inner), None
+  else:
+    inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
   if known is None:
     nonfinite, found_inf = check_gradients(grads, state, config)
   else:
@@ -120,6 +126,10 @@ def _update(static, grads, state, params, extra_args, known, injected):
     return inner.update(unscaled, inner_state, params, **extra_args)
 
   def skip(grads, inner_state, params):
+    if labels is not None:  # only the groups whose own gradients hold inf/NaN
+      skipped = skipped_leaves(nonfinite, labels)
+      applied = apply(grads, inner_state, params)
+      return skip_groups(labels, skipped, applied, inner_state, config.schedule_counts)
     updates, inner_state = _skipped(apply, grads, inner_state, params)
     if config.schedule_counts == "iterations":
       inner_state = advance_schedule_counts(inner_state)
@@ -169,6 +179,7 @@ def dynamic_loss_scale(
   max_consecutive_skips: int | None = None,
   detect_unscale_overflow: bool = False,
   schedule_counts: str = "applied",
+  param_labels: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -188,7 +199,8 @@ def dynamic_loss_scale(
   none in front of the scaler, where they would see scaled ones.
 
   Args:
-    inner: the optimizer to run on unscaled gradients.
+    inner: the optimizer to run on unscaled gradients; with ``param_labels``,
+      ``{label: optimizer}``, one per group of parameters.
     init_scale: the initial scale (a finite positive float32 number).
     growth_factor: multiplies the scale after ``growth_interval`` consecutive
       finite steps (> 1). Python numbers are applied exactly as float64, as torch.
@@ -217,6 +229,11 @@ def dynamic_loss_scale(
       hence a schedule given as a learning rate, and ``inject_hyperparams``),
       as torch's ``LRScheduler.step()`` runs every iteration, while the
       optimizer's own counts (Adam's) stay (docs/porting.md, "Schedules").
+    param_labels: torch's several optimizers with one scaler: a tree of labels
+      like the params (or a function of the gradients giving one), as
+      ``optax.multi_transform`` takes it, with ``inner`` a ``{label:
+      optimizer}``. A group is skipped only when its own gradients hold
+      inf/NaN; the scale backs off once per step whichever groups did.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -238,7 +255,13 @@ def dynamic_loss_scale(
     >>> updates["w"].tolist(), float(state.loss_scale)
     ([-0.20000000298023224, -0.20000000298023224], 8.0)
   """
-  if not isinstance(inner, optax.GradientTransformation):
+  labels = None if param_labels is None else ParamLabels(param_labels)
+  if labels is not None:
+    static_inner = tuple(inner.items()) if isinstance(inner, Mapping) else inner  # hashable
+    inner = grouped(inner, labels)
+  elif isinstance(inner, optax.GradientTransformation):
+    static_inner = inner  # the caller's: the same object on every call
+  else:
     raise TypeError(
       "jaxamp: dynamic_loss_scale wraps an optax.GradientTransformation (e.g. "
       f"optax.adam(1e-3)), got {type(inner).__name__}."
@@ -257,9 +280,10 @@ def dynamic_loss_scale(
     max_consecutive_skips=max_consecutive_skips,
     detect_unscale_overflow=detect_unscale_overflow,
     schedule_counts=schedule_counts,
+    param_labels=labels,
   )
   recorded = config.recorded()
-  static = (inner, recorded)  # the caller's inner: the same object on every call
+  static = (static_inner, recorded)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
