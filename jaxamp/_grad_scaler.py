@@ -226,6 +226,20 @@ class GradScaler:
     if not self._scaled:
       raise RuntimeError(_NOT_SCALED.format(funcname))
 
+  def _check_not_captured(self, funcname: str, values: Any) -> None:
+    """Raises if ``values`` are traced by ``jit`` but this scaler is not: it was
+    captured from outside the jitted function, where the scale is a frozen
+    constant and ``update`` would leak a tracer into the Python object."""
+    if isinstance(self._core.loss_scale, jax.core.Tracer):
+      return
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+      raise RuntimeError(
+        f"jaxamp: GradScaler.{funcname}() ran inside a traced function on a scaler "
+        "captured from outside it, whose scale would stay frozen. Pass the scaler "
+        "to the jitted function as an argument and return it (as the optimizers). "
+        "Nothing was changed."
+      )
+
   def scale(self, outputs: Any) -> Any:
     """Multiplies ``outputs`` (an array, or nested lists/tuples of arrays) by the scale.
 
@@ -297,6 +311,7 @@ class GradScaler:
       return
     key = _key_of(optimizer)
     self._check_scaled("unscale_")
+    self._check_not_captured("unscale_", optimizer.grads)
     stage = self._states.get(key, _Record(_Stage.READY, None)).stage
     if stage is _Stage.UNSCALED:
       raise RuntimeError(_UNSCALE_TWICE)
@@ -327,6 +342,7 @@ class GradScaler:
       raise RuntimeError(_CLOSURE)
     key = _key_of(optimizer)
     self._check_scaled("step")
+    self._check_not_captured("step", (optimizer.grads, optimizer.params))
     record = self._states.get(key, _Record(_Stage.READY, None))
     if record.stage is _Stage.STEPPED:
       raise RuntimeError(_STEP_TWICE)
@@ -368,6 +384,7 @@ class GradScaler:
     if not self._enabled:
       return
     self._check_scaled("update")
+    self._check_not_captured("update", ([r.found_inf for r in self._states.values()], new_scale))
     if new_scale is not None:
       self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
       self._states = {}
