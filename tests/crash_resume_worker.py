@@ -67,8 +67,8 @@ INJECT = {
   36: np.nan,
   37: np.inf,
 }
-OPTIONS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-EXTRA = dict(hysteresis=2)
+OPTIONS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+EXTRA = {"hysteresis": 2}
 IN, HIDDEN, OUT, BATCH = 6, 16, 3, 8
 
 
@@ -114,7 +114,7 @@ def nnx_variant():
 
   class MLP(nnx.Module):
     def __init__(self, rngs):
-      kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+      kw = {"dtype": jnp.float16, "param_dtype": jnp.float32, "rngs": rngs}
       self.l1 = nnx.Linear(IN, HIDDEN, **kw)
       self.l2 = nnx.Linear(HIDDEN, OUT, **kw)
 
@@ -176,7 +176,7 @@ def linen_variant():
   class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
-      kw = dict(dtype=jnp.float16, param_dtype=jnp.float32)
+      kw = {"dtype": jnp.float16, "param_dtype": jnp.float32}
       return nn.Dense(OUT, **kw)(jax.nn.relu(nn.Dense(HIDDEN, **kw)(x)))
 
   model = MLP()
@@ -262,15 +262,15 @@ def scaler_variant():
 
     def loss_scale_state(self):
       s = self.scaler
-      return dict(
-        loss_scale=s.loss_scale,
-        growth_tracker=s.growth_tracker,
-        found_inf=jax.tree.leaves(s)[3],  # LossScaleCore order; checked in tree()
-        skipped_steps=s.skipped_updates,
-        consecutive_skipped_steps=s.consecutive_skipped_updates,
-        hysteresis_tracker=s.hysteresis_tracker,
-        update_count=s.update_count,
-      )
+      return {
+        "loss_scale": s.loss_scale,
+        "growth_tracker": s.growth_tracker,
+        "found_inf": jax.tree.leaves(s)[3],  # LossScaleCore order; checked in tree()
+        "skipped_steps": s.skipped_updates,
+        "consecutive_skipped_steps": s.consecutive_skipped_updates,
+        "hysteresis_tracker": s.hysteresis_tracker,
+        "update_count": s.update_count,
+      }
 
     def tree(self):
       leaves = jax.tree.leaves(self.scaler)
@@ -345,7 +345,11 @@ def main(argv) -> None:
   variant, ckpt_dir, log_path = argv[:3]
   flags = dict(zip(argv[3::2], (int(v) for v in argv[4::2])))
   pause_at, die_in_save = flags.get("--pause-at"), flags.get("--die-in-save")
-  _LOG = open(log_path, "a")
+  with open(log_path, "a") as _LOG:
+    _run(variant, ckpt_dir, pause_at, die_in_save)
+
+
+def _run(variant, ckpt_dir, pause_at, die_in_save) -> None:
   if die_in_save is not None:
     _die_at_commit_of(die_in_save)
   run = VARIANTS[variant]()

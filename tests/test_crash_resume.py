@@ -123,17 +123,17 @@ def _chain(variant: str, workdir: pathlib.Path, env: dict) -> dict:
   third = _Child(f"{variant}_3", workdir, variant, ckpt, env)
   rc_third = third.wait()
   rc_ref = ref.wait()
-  return dict(
-    kill_at=kill_at,
-    die_in_save=die_in_save,
-    ref=(rc_ref, ref.records(), ref.stderr()),
-    first=(rc_first, first.records(), first.stderr()),
-    second=(rc_second, second.records(), second.stderr()),
-    third=(rc_third, third.records(), third.stderr()),
-    listing_after_first=listing_after_first,
-    listing_after_second=listing_after_second,
-    listing_final=sorted(p.name for p in ckpt.iterdir()),
-  )
+  return {
+    "kill_at": kill_at,
+    "die_in_save": die_in_save,
+    "ref": (rc_ref, ref.records(), ref.stderr()),
+    "first": (rc_first, first.records(), first.stderr()),
+    "second": (rc_second, second.records(), second.stderr()),
+    "third": (rc_third, third.records(), third.stderr()),
+    "listing_after_first": listing_after_first,
+    "listing_after_second": listing_after_second,
+    "listing_final": sorted(p.name for p in ckpt.iterdir()),
+  }
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,9 @@ def test_resume_after_sigkill_is_bit_identical(chains, variant):
   # The temporary directory is replaced when S is saved again: no debris left.
   final = chain["listing_final"]
   assert not [name for name in final if TMP_SUFFIX in name], final
-  assert sorted(int(n) for n in final if n.isdigit()) == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+  assert sorted(int(n) for n in final if n.isdigit()) == list(
+    range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
+  )
 
 
 def _assert_state_dict_is_not_enough(restored: dict, at_checkpoint: dict) -> None:
@@ -249,4 +251,3 @@ def _assert_state_dict_is_not_enough(restored: dict, at_checkpoint: dict) -> Non
   only = restored["by_state_dict_only"]
   assert only["update_count"] == 0 != at_checkpoint["update_count"]
   assert only["skipped_updates"] == 0 != at_checkpoint["skipped_steps"]
-
