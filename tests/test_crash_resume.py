@@ -93,6 +93,13 @@ class _Child:
         self.proc.kill()
         self.proc.wait()
 
+  def wait_for_first_step(self) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not any(r["event"] == "step" for r in _read_log(self.log)):
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        return  # its own checks report what went wrong
+      time.sleep(0.05)
+
   def kill_when_paused(self) -> int:
     deadline = time.monotonic() + TIMEOUT
     while not any(r["event"] == "paused" for r in _read_log(self.log)):
@@ -114,6 +121,7 @@ def _chain(variant: str, workdir: pathlib.Path, env: dict) -> dict:
   kill_at, die_in_save = _plan(variant)
   ckpt = workdir / f"{variant}_ckpt"
   ref = _Child(f"{variant}_ref", workdir, variant, workdir / f"{variant}_ref_ckpt", env)
+  ref.wait_for_first_step()  # compiled once, into the cache the other children read
   first = _Child(f"{variant}_1", workdir, variant, ckpt, env, "--pause-at", kill_at)
   rc_first = first.kill_when_paused()
   listing_after_first = sorted(p.name for p in ckpt.iterdir())
