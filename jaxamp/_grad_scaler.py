@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -67,6 +68,7 @@ class _Unset:
 
 
 _UNSET = _Unset()
+_OWNER_LOCK = threading.Lock()
 _DISABLED = LossScaleConfig(
   enabled=False, growth_factor=_UNSET, backoff_factor=_UNSET, growth_interval=_UNSET
 )
@@ -222,6 +224,23 @@ class GradScaler:
 
   # -- the iteration --------------------------------------------------------------
 
+  def _claim(self, funcname: str) -> None:
+    """Refuses a second thread inside one iteration (``scale`` to ``update``):
+    torch's iteration spans several calls and ``update`` consumes every
+    optimizer's flags, so interleaved threads would mix their iterations."""
+    me = threading.get_ident()
+    with _OWNER_LOCK:
+      owner = self.__dict__.setdefault("_owner", me)
+    if owner != me:
+      raise RuntimeError(
+        f"jaxamp.GradScaler is being used from two threads: {funcname}() called from "
+        f"thread {me} while thread {owner} is in an iteration. Give each thread its "
+        "own scaler (torch's GradScaler is not thread-safe either)."
+      )
+
+  def _release(self) -> None:
+    self.__dict__.pop("_owner", None)
+
   def _check_scaled(self, funcname: str) -> None:
     if not self._scaled:
       raise RuntimeError(_NOT_SCALED.format(funcname))
@@ -258,6 +277,7 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
+    self._claim("scale")
     found_array = False
 
     def apply(value):
@@ -310,6 +330,7 @@ class GradScaler:
     if not self._enabled:
       return
     key = _key_of(optimizer)
+    self._claim("unscale_")
     self._check_scaled("unscale_")
     self._check_not_captured("unscale_", optimizer.grads)
     stage = self._states.get(key, _Record(_Stage.READY, None)).stage
@@ -341,6 +362,7 @@ class GradScaler:
     if "closure" in extra_args:
       raise RuntimeError(_CLOSURE)
     key = _key_of(optimizer)
+    self._claim("step")
     self._check_scaled("step")
     self._check_not_captured("step", (optimizer.grads, optimizer.params))
     record = self._states.get(key, _Record(_Stage.READY, None))
@@ -383,11 +405,13 @@ class GradScaler:
     """
     if not self._enabled:
       return
+    self._claim("update")
     self._check_scaled("update")
     self._check_not_captured("update", ([r.found_inf for r in self._states.values()], new_scale))
     if new_scale is not None:
       self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
       self._states = {}
+      self._release()
       return
     found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]
     if not found_infs:
@@ -395,6 +419,7 @@ class GradScaler:
     found_inf = functools.reduce(jnp.logical_or, found_infs)
     self._core = call_compiled(_advance, self._config, self._core, found_inf)
     self._states = {}
+    self._release()
 
   # -- the core's arrays (no host read) and diagnostics (not in torch) ---------------
 
