@@ -22,11 +22,11 @@ import optax
 import jaxamp
 from parity.models import NamedLayout, Pair
 from parity.optimizers import (
-    jax_inner_state_from_torch,
-    jax_state,
-    make_optax,
-    make_single_optax,
-    owned,
+  jax_inner_state_from_torch,
+  jax_state,
+  make_optax,
+  make_single_optax,
+  owned,
 )
 
 
@@ -45,11 +45,11 @@ def _scaler_state_dict(scenario, scale: float, tracker: int) -> dict:
   """torch's five ``state_dict`` keys for this scenario's hyperparameters."""
   s = scenario.scaler
   return {
-      "scale": scale,
-      "growth_factor": s.get("growth_factor", 2.0),
-      "backoff_factor": s.get("backoff_factor", 0.5),
-      "growth_interval": s.get("growth_interval", 2000),
-      "_growth_tracker": tracker,
+    "scale": scale,
+    "growth_factor": s.get("growth_factor", 2.0),
+    "backoff_factor": s.get("backoff_factor", 0.5),
+    "growth_interval": s.get("growth_interval", 2000),
+    "_growth_tracker": tracker,
   }
 
 
@@ -77,11 +77,12 @@ class OptaxDriver:
     self.opt_state = self.tx.init(self.params)
     if scenario.initial_tracker is not None:
       self.opt_state = jaxamp.load_state_dict(
-          self.opt_state,
-          _scaler_state_dict(
-              scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
-              scenario.initial_tracker,
-          ),
+        self.opt_state,
+        _scaler_state_dict(
+          scenario,
+          float(scenario.scaler.get("init_scale", 2.0**16)),
+          scenario.initial_tracker,
+        ),
       )
     loss_fn = pair.jax_loss
 
@@ -107,7 +108,7 @@ class OptaxDriver:
     grads, losses = None, []
     for micro in range(sc.accumulate):
       g, loss = self._scaled_grads(
-          self.params, self.opt_state, self.pair.batch(step * sc.accumulate + micro)
+        self.params, self.opt_state, self.pair.batch(step * sc.accumulate + micro)
       )
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       losses.append(float(loss))
@@ -117,16 +118,16 @@ class OptaxDriver:
     new_scale = sc.new_scale.get(step)
     if new_scale is not None:
       self.opt_state = self.opt_state._replace(
-          loss_scale=jnp.asarray(np.float32(new_scale)), growth_tracker=tracker_before
+        loss_scale=jnp.asarray(np.float32(new_scale)), growth_tracker=tracker_before
       )
     state = jax.device_get(self.opt_state)
     return {
-        "loss": float(np.mean(losses)),
-        "scale_used": scale_used,
-        "found": [bool(state.found_inf)] * self.n_optimizers,
-        "scale": np.asarray(state.loss_scale),
-        "tracker": int(state.growth_tracker),
-        "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": [bool(state.found_inf)] * self.n_optimizers,
+      "scale": np.asarray(state.loss_scale),
+      "tracker": int(state.growth_tracker),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
     }
 
   def unscale_torch_grads(self, scaled: dict, scale: np.float32):
@@ -144,9 +145,9 @@ class OptaxDriver:
     s = self.scenario.scaler
     hyper = {k: s[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in s}
     return {
-        "scaler": jaxamp.state_dict(self.opt_state, **hyper),
-        "params": self.pair.to_torch_layout(jax.device_get(self.params)),
-        "optimizer": self.state(),
+      "scaler": jaxamp.state_dict(self.opt_state, **hyper),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+      "optimizer": self.state(),
     }
 
   def resume(self, checkpoint: dict) -> None:
@@ -154,12 +155,10 @@ class OptaxDriver:
     params = self.pair.from_torch_layout(checkpoint["params"])
     fresh = self.tx.init(params)
     inner = jax_inner_state_from_torch(
-        _inner(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
+      _inner(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
     )
     self.params = params
-    self.opt_state = jaxamp.load_state_dict(
-        fresh._replace(inner_state=inner), checkpoint["scaler"]
-    )
+    self.opt_state = jaxamp.load_state_dict(fresh._replace(inner_state=inner), checkpoint["scaler"])
 
 
 class GradScalerDriver:
@@ -175,14 +174,17 @@ class GradScalerDriver:
     self.scenario, self.pair = scenario, pair
     self.scaler = jaxamp.GradScaler(**scenario.scaler)
     if scenario.initial_tracker is not None:
-      self.scaler.load_state_dict(_scaler_state_dict(
-          scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
+      self.scaler.load_state_dict(
+        _scaler_state_dict(
+          scenario,
+          float(scenario.scaler.get("init_scale", 2.0**16)),
           scenario.initial_tracker,
-      ))
+        )
+      )
     self.layouts = [NamedLayout(pair, owned(spec, pair)) for spec in scenario.optimizers]
     self.optimizers = [
-        jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
-        for spec, layout in zip(scenario.optimizers, self.layouts)
+      jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
+      for spec, layout in zip(scenario.optimizers, self.layouts)
     ]
     loss_fn = pair.jax_loss
 
@@ -237,7 +239,7 @@ class GradScalerDriver:
     grads, losses = None, []
     for micro in range(sc.accumulate):
       g, loss, self.scaler = self._scaled_grads(
-          self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
+        self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
       )
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       losses.append(float(loss))
@@ -246,22 +248,26 @@ class GradScalerDriver:
     new_scale = sc.new_scale.get(step)
     self._scaler_used = self.scaler  # the jitted iteration returns a new scaler
     late = tuple(
-        (name, self.pair.flax_position(name, index), value)
-        for name, index, value in sc.late_inject.get(step, ())
+      (name, self.pair.flax_position(name, index), value)
+      for name, index, value in sc.late_inject.get(step, ())
     )
     self.scaler, self.optimizers, found = self._iterate(
-        self.scaler, self.optimizers, grads, new_scale is None, late,
-        tuple(sc.unstepped.get(step, ())),
+      self.scaler,
+      self.optimizers,
+      grads,
+      new_scale is None,
+      late,
+      tuple(sc.unstepped.get(step, ())),
     )
     if new_scale is not None:
       self.scaler.update(new_scale=float(new_scale))
     return {
-        "loss": float(np.mean(losses)),
-        "scale_used": scale_used,
-        "found": [None if f is None else bool(f) for f in found],
-        "scale": np.float32(self.scaler.get_scale()),
-        "tracker": self.scaler._get_growth_tracker(),
-        "params": self._params_torch_layout(),
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": [None if f is None else bool(f) for f in found],
+      "scale": np.float32(self.scaler.get_scale()),
+      "tracker": self.scaler._get_growth_tracker(),
+      "params": self._params_torch_layout(),
     }
 
   def _params_torch_layout(self) -> dict:
@@ -299,9 +305,9 @@ class GradScalerDriver:
 
   def checkpoint(self) -> dict:
     return {
-        "scaler": self.scaler.state_dict(),
-        "params": self._params_torch_layout(),
-        "optimizer": self.state(),
+      "scaler": self.scaler.state_dict(),
+      "params": self._params_torch_layout(),
+      "optimizer": self.state(),
     }
 
   def resume(self, checkpoint: dict) -> None:

@@ -110,9 +110,9 @@ class NamedLayout:
 
   def to_torch_layout(self, tree: dict) -> dict[str, np.ndarray]:
     return {
-        n: _to_torch(np.asarray(tree[n]), self._kinds[n])
-        for n in self.names
-        if not isinstance(tree[n], optax.MaskedNode)
+      n: _to_torch(np.asarray(tree[n]), self._kinds[n])
+      for n in self.names
+      if not isinstance(tree[n], optax.MaskedNode)
     }
 
   def from_torch_layout(self, arrays: dict[str, Any]) -> dict:
@@ -245,8 +245,13 @@ def _mse_pair(name, sizes, seed, zero_loss=False):
     return jnp.mean((flax_module.apply(params, x) - y) ** 2) * factor
 
   return Pair(
-      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
-      _regression_batches(seed, sizes[0], sizes[-1]),
+    name,
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _regression_batches(seed, sizes[0], sizes[-1]),
   )
 
 
@@ -296,8 +301,13 @@ def _cross_entropy_pair(name, module, flax_module, layout, seed, image, compute_
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   return Pair(
-      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
-      _digit_batches(seed, image=image),
+    name,
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _digit_batches(seed, image=image),
   )
 
 
@@ -307,7 +317,7 @@ def mlp_digits(seed: int = 2, compute_dtype: str = "float32") -> Pair:
   module = _torch_dense_stack((64, 32, 10))
   flax_module = _DenseStack((32, 10), dtype=jnp.dtype(compute_dtype))
   return _cross_entropy_pair(
-      "mlp_digits", module, flax_module, _dense_layout(2), seed, False, compute_dtype
+    "mlp_digits", module, flax_module, _dense_layout(2), seed, False, compute_dtype
   )
 
 
@@ -319,8 +329,7 @@ class _ConvNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = jnp.transpose(x, (0, 2, 3, 1)).astype(self.dtype)  # NCHW -> NHWC
-    x = nn.Conv(4, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=jnp.float32,
-                name="0")(x)
+    x = nn.Conv(4, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=jnp.float32, name="0")(x)
     x = nn.relu(x)
     x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)  # torch's C,H,W order
     x = nn.Dense(10, dtype=self.dtype, param_dtype=jnp.float32, name="3")(x)
@@ -331,17 +340,16 @@ def cnn_digits(seed: int = 3, compute_dtype: str = "float32") -> Pair:
   """A small convolutional classifier on the 8x8 digits."""
   torch.manual_seed(seed)
   module = torch.nn.Sequential(
-      torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
   )
   layout = [
-      ("0.weight", ("params", "0", "kernel"), "conv"),
-      ("0.bias", ("params", "0", "bias"), "same"),
-      ("3.weight", ("params", "3", "kernel"), "dense"),
-      ("3.bias", ("params", "3", "bias"), "same"),
+    ("0.weight", ("params", "0", "kernel"), "conv"),
+    ("0.bias", ("params", "0", "bias"), "same"),
+    ("3.weight", ("params", "3", "kernel"), "dense"),
+    ("3.bias", ("params", "3", "bias"), "same"),
   ]
   flax_module = _ConvNet(dtype=jnp.dtype(compute_dtype))
-  return _cross_entropy_pair("cnn_digits", module, flax_module, layout, seed, True,
-                             compute_dtype)
+  return _cross_entropy_pair("cnn_digits", module, flax_module, layout, seed, True, compute_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,8 +368,8 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
   """Parameter vectors of the given dtypes; ``loss = sum_k sum(p_k * w_k)``."""
   rng = np.random.default_rng(seed)
   init = {
-      name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
-      for name, dtype in dtypes.items()
+    name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
+    for name, dtype in dtypes.items()
   }
   module = _Vectors(init)
   layout = [(name, (name,), "same") for name in dtypes]
@@ -369,8 +377,7 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
   def batch_at(step: int):
     r = np.random.default_rng([seed, step])
     return tuple(
-        r.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtypes[name]))
-        for name in dtypes
+      r.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtypes[name])) for name in dtypes
     )
 
   def torch_loss(m, batch, autocast_dtype=None):
@@ -386,11 +393,11 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
 
 
 MODELS = {
-    "linear10": linear10,
-    "two_layer": two_layer,
-    "mlp_digits": mlp_digits,
-    "cnn_digits": cnn_digits,
-    "vectors": vectors,
+  "linear10": linear10,
+  "two_layer": two_layer,
+  "mlp_digits": mlp_digits,
+  "cnn_digits": cnn_digits,
+  "vectors": vectors,
 }
 
 

@@ -72,7 +72,7 @@ def make_optax(specs: tuple[OptSpec, ...], pair: Pair) -> optax.GradientTransfor
     for name in owned(spec, pair):
       labels[name] = f"opt{i}"
   return optax.multi_transform(
-      {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
+    {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
   )
 
 
@@ -101,8 +101,9 @@ def jax_state(inner_state: Any, pair: Pair) -> dict:
   :class:`~parity.models.Pair`, or a :class:`~parity.models.NamedLayout`.
   """
   nodes = [
-      n for n in jax.tree.leaves(jax.device_get(inner_state), is_leaf=_is_state_node)
-      if _is_state_node(n)
+    n
+    for n in jax.tree.leaves(jax.device_get(inner_state), is_leaf=_is_state_node)
+    if _is_state_node(n)
   ]
   out: dict[str, dict[str, np.ndarray]] = {}
   for node in nodes:
@@ -112,9 +113,7 @@ def jax_state(inner_state: Any, pair: Pair) -> dict:
       mu = pair.to_torch_layout(node.mu)
       out.setdefault("exp_avg", {}).update(mu)
       out.setdefault("exp_avg_sq", {}).update(pair.to_torch_layout(node.nu))
-      out.setdefault("step", {}).update(
-          {name: np.asarray(node.count, np.float32) for name in mu}
-      )
+      out.setdefault("step", {}).update({name: np.asarray(node.count, np.float32) for name in mu})
   return out
 
 
@@ -138,8 +137,8 @@ def load_torch_state(opt: torch.optim.Optimizer, pair: Pair, state: dict) -> Non
     if "momentum_buffer" in entry and not _torch_has_momentum(opt):
       continue
     loaded[i] = {
-        kind: torch.tensor(float(value)) if kind == "step" else to_torch_tensor(value)
-        for kind, value in entry.items()
+      kind: torch.tensor(float(value)) if kind == "step" else to_torch_tensor(value)
+      for kind, value in entry.items()
     }
   sd["state"] = loaded
   opt.load_state_dict(sd)
@@ -150,7 +149,7 @@ def _torch_has_momentum(opt: torch.optim.Optimizer) -> bool:
 
 
 def jax_inner_state_from_torch(
-    tx: optax.GradientTransformation, params: Any, pair: Pair, state: dict
+  tx: optax.GradientTransformation, params: Any, pair: Pair, state: dict
 ) -> Any:
   """An optax state for ``tx`` holding a :func:`torch_state` (resuming a torch run).
 
@@ -167,8 +166,9 @@ def jax_inner_state_from_torch(
       steps = {float(state.get("step", {}).get(n, 0.0)) for n in names}
       (count,) = steps  # one count per optimizer, as torch steps all its params together
       return node._replace(
-          count=np.asarray(count, np.int32), mu=mu,
-          nu=_fill_tree(node.nu, pair, state.get("exp_avg_sq", {})),
+        count=np.asarray(count, np.int32),
+        mu=mu,
+        nu=_fill_tree(node.nu, pair, state.get("exp_avg_sq", {})),
       )
     return node
 
@@ -180,9 +180,11 @@ def _fill_tree(tree: Any, pair: Pair, values: dict[str, np.ndarray]) -> Any:
   current = pair.to_torch_layout(tree)
   merged = {name: values.get(name, current.get(name)) for name in pair.names}
   filled = pair.from_torch_layout(
-      {n: (v if v is not None else np.zeros(1)) for n, v in merged.items()}
+    {n: (v if v is not None else np.zeros(1)) for n, v in merged.items()}
   )
   return jax.tree.map(
-      lambda old, new: old if isinstance(old, optax.MaskedNode) else new,
-      tree, filled, is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    lambda old, new: old if isinstance(old, optax.MaskedNode) else new,
+    tree,
+    filled,
+    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
   )
