@@ -357,8 +357,8 @@ def _nested(t0, t1):
 
 
 def _assert_same_nested(got, want):
-  assert type(got) is type(want)
   if isinstance(want, (list, tuple)):
+    assert type(got) is type(want)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
       _assert_same_nested(g, w)
