@@ -938,20 +938,10 @@ def test_grad_scaler_accumulation_matches_torch(enabled, jit):
   _exactly(run.params, control_params, f"{what} vs JAX control: params")
 
 
-@pytest.mark.torch
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_dynamic_loss_scale_multisteps_accumulation_matches_torch(jit):
-  """``optax.MultiSteps(dynamic_loss_scale(sgd), 2, use_grad_mean=False)``: the sum of the
-  scaled micro-batch grads, as torch's ``.grad``, unscaled and stepped once per window.
-  (``apply_scaled_updates`` refuses MultiSteps around the wrapper, by design.)"""
+def _optax_accumulation_run(tx, fast, jit):
   init_params, data, skip_iter, ref = _torch_side(_ACCUMULATION, True)
-  tx = optax.MultiSteps(
-    jaxamp.dynamic_loss_scale(_sgd(), **_SCALER_KWARGS),
-    every_k_schedule=_ITERS_TO_ACCUMULATE,
-    use_grad_mean=False,
-  )
   params, opt_state = init_params, tx.init(init_params)
-  iteration = functools.partial(_accumulation_optax_iteration, tx, skip_iter=skip_iter, fast=False)
+  iteration = functools.partial(_accumulation_optax_iteration, tx, skip_iter=skip_iter, fast=fast)
   if jit:
     iteration = jax.jit(iteration, static_argnums=(4,))
   scales, skips = [], []
@@ -960,7 +950,33 @@ def test_dynamic_loss_scale_multisteps_accumulation_matches_torch(jit):
     params, opt_state = iteration(params, opt_state, x, y, i)
     scales.append(float(jaxamp.get_loss_scale(opt_state)))
     skips.append(not _changed(before, params))
-  run = _Run(scales, skips, _leaves(params))
+  return _Run(scales, skips, _leaves(params)), ref
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
+def test_dynamic_loss_scale_accumulate_gradients_matches_torch(fast, jit):
+  """``jaxamp.accumulate_gradients(dynamic_loss_scale(sgd), 2)``: the sum of the scaled
+  micro-batch grads, as torch's ``.grad``, unscaled and stepped once per window."""
+  tx = jaxamp.accumulate_gradients(
+    jaxamp.dynamic_loss_scale(_sgd(), **_SCALER_KWARGS), _ITERS_TO_ACCUMULATE
+  )
+  run, ref = _optax_accumulation_run(tx, fast, jit)
+  _assert_matches_torch(run, ref._replace(grads=None), f"accumulate_gradients ({fast=}, {jit=})")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_dynamic_loss_scale_multisteps_accumulation_matches_torch(jit):
+  """``optax.MultiSteps(dynamic_loss_scale(sgd), 2, use_grad_mean=False)`` also matches
+  torch here, where no window overflows (``apply_scaled_updates`` refuses MultiSteps
+  around the wrapper; after an overflow MultiSteps' ``0 * inf`` poisons later windows)."""
+  tx = optax.MultiSteps(
+    jaxamp.dynamic_loss_scale(_sgd(), **_SCALER_KWARGS),
+    every_k_schedule=_ITERS_TO_ACCUMULATE,
+    use_grad_mean=False,
+  )
+  run, ref = _optax_accumulation_run(tx, False, jit)
   _assert_matches_torch(run, ref._replace(grads=None), f"MultiSteps (jit={jit})")
 
 
@@ -1093,13 +1109,13 @@ def test_grad_scaler_multiple_models_optimizers_matches_torch(enabled, jit):
 
 @pytest.mark.torch
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
-def test_dynamic_loss_scale_multi_transform_multiple_matches_torch(fast, jit):
-  """Two torch optimizers sharing one scaler, in the optax form: one wrapper around an
-  ``optax.multi_transform`` with one SGD per model (one scale, one update())."""
+def test_dynamic_loss_scale_param_labels_multiple_matches_torch(fast, jit):
+  """Two torch optimizers sharing one scaler, in the optax form: one wrapper with one
+  SGD per model and ``param_labels`` (each skipped on its own inf, one update())."""
   (p0, p1), data, skip_iter, ref = _torch_multiple(True)
   labels = lambda p: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in p.items()}
   tx = jaxamp.dynamic_loss_scale(
-    optax.multi_transform({"m0": _sgd(), "m1": _sgd()}, labels), **_SCALER_KWARGS
+    {"m0": _sgd(), "m1": _sgd()}, param_labels=labels, **_SCALER_KWARGS
   )
   params = {"m0": p0, "m1": p1}
   opt_state = tx.init(params)
@@ -1124,7 +1140,7 @@ def test_dynamic_loss_scale_multi_transform_multiple_matches_torch(fast, jit):
     scales.append(float(jaxamp.get_loss_scale(opt_state)))
     skips.append([not _changed(before[k], params[k]) for k in ("m0", "m1")])
   run = _Run(scales, skips, _leaves(params["m0"]) + _leaves(params["m1"]))
-  _assert_matches_torch(run, ref, f"multi_transform ({fast=}, {jit=})")
+  _assert_matches_torch(run, ref, f"param_labels ({fast=}, {jit=})")
 
 
 # -- test_grad_scaling_update_scale ---------------------------------------------------------------
