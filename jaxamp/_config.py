@@ -129,7 +129,7 @@ def python_number(name: str, value: Any, *, integer: bool = False) -> int | floa
       f"jaxamp: {name} must be {'an int' if integer else 'a real Python number'}, "
       f"got {type(value).__name__} {value!r}.{hint}"
     )
-  return value.item() if isinstance(value, np.generic) else value
+  return value.item() if isinstance(value, np.generic) else value  # type: ignore[return-value]
 
 
 def _check_dtype(name: str, value: Any, *, integer: bool) -> None:
@@ -157,7 +157,12 @@ def _real(name: str, value: Any) -> float | None:
     raise TypeError(
       f"jaxamp: {name} must be a real Python number, got {type(value).__name__} {value!r}."
     )
-  return concrete
+  try:
+    return float(concrete)
+  except OverflowError:  # an int beyond any float
+    raise ValueError(
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: {name}={concrete!r} is larger than the float32 maximum)"
+    ) from None
 
 
 def _integer(name: str, value: Any, minimum: int | None) -> int | None:
@@ -168,6 +173,7 @@ def _integer(name: str, value: Any, minimum: int | None) -> int | None:
     return None
   if isinstance(concrete, bool) or not isinstance(concrete, numbers.Integral):
     raise TypeError(f"jaxamp: {name} must be an int, got {type(value).__name__} {value!r}.")
+  concrete = int(concrete)
   if minimum is not None and concrete < minimum:
     raise ValueError(f"jaxamp: {name} must be >= {minimum}, got {concrete!r}.")
   # An int32 counter must reach it; an int32 array must hold it (a Python int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +37,14 @@ class LossScaleCore(NamedTuple):
   consecutive_skipped_steps: jax.Array
 
 
-def scale_array(scale: object) -> jax.Array:
+def scale_array(scale: Any) -> jax.Array:
   """``float32(scale)`` rounded to nearest, as torch's ``fill_`` (a checked scale)."""
   if isinstance(scale, (jax.Array, np.ndarray)):
     return jnp.asarray(scale, jnp.float32)
   return jnp.asarray(np.float32(scale))
 
 
-def int32_array(value: object) -> jax.Array:
+def int32_array(value: Any) -> jax.Array:
   return jnp.asarray(value, jnp.int32)
 
 
@@ -62,7 +62,7 @@ def init_core(config: LossScaleConfig) -> LossScaleCore:
   )
 
 
-def _count_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
+def _count_if(condition: jax.Array | bool, counter: jax.Array) -> jax.Array:
   """``counter + 1`` where ``condition`` holds, saturating at the int32 maximum."""
   return jnp.where(condition, optax.safe_increment(counter), counter)
 

@@ -176,11 +176,12 @@ class GradScaler:
     schedule_counts: str = "applied",
   ):
     """Creates a scaler; see the class docstring."""
+    self._core: LossScaleCore  # None when disabled: no method reads it then
     self._states: dict[int, _Record] = {}
     self._scaled = False
     self._init_growth_tracker = 0
     if not enabled:
-      self._config, self._core = _DISABLED, None
+      self._config, self._core = _DISABLED, None  # type: ignore[assignment]
       return
     self._config = loss_scale_config(
       static=True,

@@ -41,7 +41,7 @@ class ParamLabels:
     """The label of each array leaf of ``grads``, in ``jax.tree.leaves`` order."""
     labels = self.labels(grads) if callable(self.labels) else self.labels
     label_leaves, label_def = jax.tree.flatten(labels)
-    if label_def != jax.tree.structure(grads):
+    if label_def != jax.tree.structure(grads):  # type: ignore[operator]
       raise ValueError(
         "jaxamp: param_labels does not have the structure of the gradients.\n"
         f"  labels:    {label_def}\n  gradients: {jax.tree.structure(grads)}"

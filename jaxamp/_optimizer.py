@@ -159,7 +159,7 @@ def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | Non
   ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
   param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
-  if grads_def != params_def:
+  if grads_def != params_def:  # type: ignore[operator]
     return None
   if all(g is not None and p is not None for g, p in zip(grad_leaves, param_leaves)):
     return flags

@@ -36,7 +36,7 @@ def check_same_structure(grads: Any, params: Any) -> None:
     return
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
   param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
-  if grads_def != params_def:
+  if grads_def != params_def:  # type: ignore[operator]
     raise ValueError(
       "jaxamp: the gradient tree does not match the parameter tree.\n"
       f"  gradients:  {grads_def}\n  parameters: {params_def}"
