@@ -212,6 +212,8 @@ def check_growth_interval(value: Any) -> None:
 
 def check_scale(name: str, value: Any) -> float | None:
   """A loss scale: finite, positive and nonzero in float32 (None when traced)."""
+  if value is None:
+    raise TypeError(f"jaxamp: {name} must be a finite positive number, got None.")
   scale = _real(name, value)
   if scale is None:
     return None
