@@ -1393,12 +1393,28 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
     w, scales, found = per_device(fn)(params["w"], state, grads)
     out[name] = {"w": np.asarray(w).tolist(), "scales": np.asarray(scales).tolist(),
                  "found": np.asarray(found).tolist()}
+  # No axis_name anywhere, per-device gradients, the usual specs: the devices
+  # would skip different steps; it must be refused, not diverge.
+  plain = jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  plain_state = jax.device_put(plain.init({"w": jnp.ones(8)}), NamedSharding(mesh, P()))
+  def no_axis(p, s, g):
+    new_p, new_s = jaxamp.apply_scaled_updates(plain, {"w": g}, s, {"w": p})
+    return new_p["w"], new_s
+  try:
+    jax.jit(jax.shard_map(no_axis, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                          out_specs=(P("data"), P())))(params["w"], plain_state, grads)
+    out["no_axis"] = None
+  except Exception as error:
+    out["no_axis"] = [type(error).__name__, str(error).splitlines()[0]]
   json.dump(out, open(sys.argv[1], "w"))
   """
 )
 
 
-def test_shard_map_axis_names_and_partial_inf_on_four_devices(tmp_path):
+@pytest.fixture(scope="module")
+def shard_map_results(tmp_path_factory):
+  """The measurements of ``_SHARD_MAP_SCRIPT`` on 4 host devices (a fresh process)."""
+  tmp_path = tmp_path_factory.mktemp("shard_map")
   script, out = tmp_path / "shard_map_check.py", tmp_path / "out.json"
   script.write_text(_SHARD_MAP_SCRIPT)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -1420,11 +1436,27 @@ def test_shard_map_axis_names_and_partial_inf_on_four_devices(tmp_path):
   except subprocess.TimeoutExpired:
     pytest.fail("the shard_map checks did not finish within 240 s (a deadlock?)")
   assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(out.read_text())
-  for key in ("asu_other", "flax_other"):
-    assert result[key] is not None, f"{key}: a mismatched axis_name was not refused"
-    assert re.search(r"axis_name='other' but .*axis_name='data'", result[key]), result[key]
-  for key in ("asu_default", "asu_same", "tx_update"):
-    assert result[key]["w"] == [1.0] * 8, key  # skipped on every device
-    assert set(result[key]["found"]) == {True}, key
-    assert set(result[key]["scales"]) == {2.0}, key
+  return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("key", ["asu_other", "flax_other"])
+def test_shard_map_mismatched_axis_name_is_refused(shard_map_results, key):
+  line = shard_map_results[key]
+  assert line is not None, f"{key}: a mismatched axis_name was not refused"
+  assert re.search(r"axis_name='other' but .*axis_name='data'", line), line
+
+
+@pytest.mark.parametrize("key", ["asu_default", "asu_same", "tx_update"])
+def test_shard_map_inf_on_one_device_skips_on_all(shard_map_results, key):
+  result = shard_map_results[key]
+  assert result["w"] == [1.0] * 8  # skipped on every device
+  assert set(result["found"]) == {True}
+  assert set(result["scales"]) == {2.0}
+
+
+def test_shard_map_per_device_gradients_without_axis_name_are_refused(shard_map_results):
+  # Each device would check only its own gradients and skip on its own.
+  result = shard_map_results["no_axis"]
+  assert result is not None, "accepted: the devices may skip different steps"
+  kind, line = result
+  assert kind == "ValueError" and re.search(r"jaxamp: .*axis_name", line), result
