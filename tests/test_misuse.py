@@ -228,6 +228,9 @@ _both_fronts("init_scale-1e-50", {"init_scale": 1e-50}, ValueError, _POSITIVE)
 _both_fronts("init_scale-1e39", {"init_scale": 1e39}, ValueError, r"without overflow.*init_scale")
 _both_fronts("init_scale-10**400", {"init_scale": 10**400}, ValueError, r"overflow.*init_scale")
 _both_fronts(
+  "init_scale-None", {"init_scale": None}, TypeError, r"jaxamp: init_scale must be a fin"
+)
+_both_fronts(
   "init_scale-str", {"init_scale": "1.0"}, TypeError, r"jaxamp: init_scale must be a real"
 )
 _both_fronts(
