@@ -83,6 +83,13 @@ def _integer(key: str, value: Any, low: int, high: int, message: str) -> int:
   return value
 
 
+def _beyond_float32(value: float) -> bool:
+  """A finite number (a Python int of any size included) beyond the float32 range."""
+  if isinstance(value, numbers.Integral):
+    return abs(value) > FLT_MAX
+  return math.isfinite(value) and abs(value) > FLT_MAX
+
+
 def check_state_dict(state_dict: Any) -> dict[str, Any]:
   """Validates a torch-format state dict and returns it with plain Python values.
 
@@ -110,7 +117,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
       f"{list(STATE_DICT_KEYS)}; nothing was loaded."
     )
   scale = _real("scale", state_dict["scale"])
-  if math.isfinite(scale) and abs(scale) > FLT_MAX:
+  if _beyond_float32(scale):
     raise RuntimeError(
       f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
       "range; nothing was loaded)"

@@ -161,7 +161,8 @@ def _real(name: str, value: Any) -> float | None:
     return float(concrete)
   except OverflowError:  # an int beyond any float
     raise ValueError(
-      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: {name}={concrete!r} is larger than the float32 maximum)"
+      f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: {name} is an int of {len(str(abs(concrete)))} "
+      "digits, beyond the float range; pass a finite float32 number)"
     ) from None
 
 
@@ -186,8 +187,35 @@ def _integer(name: str, value: Any, minimum: int | None) -> int | None:
   return concrete
 
 
+def check_factor(name: str, value: Any) -> None:
+  """A growth or backoff factor given to ``update_loss_scale``: a real scalar
+  (its range is not checked there, as torch's ``_amp_update_scale_``)."""
+  if isinstance(value, (str, bytes, complex)) or value is None:
+    raise TypeError(
+      f"jaxamp: {name} must be a real Python number, got {type(value).__name__} {value!r}."
+    )
+  if _is_array(value) and value.shape != ():
+    raise ValueError(
+      f"jaxamp: {name} must be a scalar, got an array of shape {value.shape}; pass one number."
+    )
+  dtype = getattr(value, "dtype", None)
+  real = dtype is None or jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  if not real or (dtype is not None and jnp.issubdtype(dtype, jnp.bool_)):
+    raise TypeError(f"jaxamp: {name} must be a real number, got an array of dtype {dtype}.")
+  _real(name, value)
+
+
+def check_growth_interval(value: Any) -> None:
+  """``growth_interval`` as the update rule takes it: an int (a Python int of
+  any size: beyond int32 it never grows, as torch), or an int scalar array
+  within int32 (an array could otherwise wrap silently)."""
+  _integer("growth_interval", value, None)
+
+
 def check_scale(name: str, value: Any) -> float | None:
   """A loss scale: finite, positive and nonzero in float32 (None when traced)."""
+  if value is None:
+    raise TypeError(f"jaxamp: {name} must be a finite positive number, got None.")
   scale = _real(name, value)
   if scale is None:
     return None
@@ -272,7 +300,7 @@ def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig
     raise ValueError(f"The backoff factor must be < 1.0. (jaxamp: got {backoff!r})")
   if backoff is not None and not backoff > 0.0:
     raise ValueError(f"jaxamp: the backoff factor must be > 0.0, got {backoff!r}.")
-  _integer("growth_interval", config.growth_interval, None)
+  check_growth_interval(config.growth_interval)
   low = _check_bound("min_loss_scale", config.min_loss_scale)
   high = _check_bound("max_loss_scale", config.max_loss_scale)
   if low is not None and high is not None and low > high:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._config import INT32_MAX, INT32_MIN
+from jaxamp._config import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
 from jaxamp._exact import multiply_exact_either
 
 
@@ -18,6 +18,46 @@ def _is_nonzero(x: jax.Array) -> jax.Array:
     return x != 0
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
   return (bits & 0x7FFFFFFF) != 0
+
+
+_ARGUMENTS = {  # name: (what it must be, accepted dtypes, accepted Python types)
+  "loss_scale": ("a float32 scalar", (jnp.floating,), (int, float)),
+  "growth_tracker": ("an int32 scalar", (jnp.integer,), (int,)),
+  "found_inf": ("a bool scalar", (jnp.bool_, jnp.number), (bool, int, float)),
+}
+
+
+_FIX = {
+  "loss_scale": "pass the state's loss_scale, one number for all gradients",
+  "growth_tracker": "pass the state's growth_tracker",
+  "found_inf": "reduce the per-leaf flags to one with jnp.any",
+}
+
+
+def _check_arguments(**values: object) -> None:
+  """Raises a clear error for a state argument that would be converted silently
+  (a float tracker truncated, a vector scale broadcast)."""
+  for name, value in values.items():
+    expected, dtypes, python_types = _ARGUMENTS[name]
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+      ok = isinstance(value, python_types) and (name == "found_inf" or not isinstance(value, bool))
+    else:
+      ok = any(jnp.issubdtype(dtype, kind) for kind in dtypes) and (
+        name == "found_inf" or not jnp.issubdtype(dtype, jnp.bool_)
+      )
+    if not ok:
+      kind = f"dtype {dtype}" if dtype is not None else f"{type(value).__name__} {value!r}"
+      raise TypeError(
+        f"jaxamp: update_loss_scale's {name} must be {expected}, got {kind} "
+        "(it would be converted silently); pass the state's own array."
+      )
+    shape = getattr(value, "shape", ())  # a Python number has none
+    if shape != ():
+      raise ValueError(
+        f"jaxamp: update_loss_scale's {name} must be {expected} (shape ()), got shape "
+        f"{shape}; {_FIX[name]}."
+      )
 
 
 def update_loss_scale(
@@ -66,6 +106,10 @@ def update_loss_scale(
     >>> float(scale), int(tracker)
     (0.8999999761581421, 0)
   """
+  _check_arguments(loss_scale=loss_scale, growth_tracker=growth_tracker, found_inf=found_inf)
+  check_factor("growth_factor", growth_factor)
+  check_factor("backoff_factor", backoff_factor)
+  check_growth_interval(growth_interval)
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   growth_tracker = jnp.asarray(growth_tracker, jnp.int32)
   found = _is_nonzero(jnp.asarray(found_inf))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._scaling import multiply_by_scale
@@ -81,6 +82,15 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> jaxamp.scale_loss(jnp.float16(2.0), state)
     Array(131072., dtype=float32)
   """
+  dtype = getattr(loss, "dtype", None)
+  if dtype is None and isinstance(loss, float):
+    dtype = np.dtype(float)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    kind = f"dtype {dtype}" if dtype is not None else f"type {type(loss).__name__}"
+    raise TypeError(
+      f"jaxamp: scale_loss got a loss of {kind}; it scales a floating-point loss "
+      "(float32 recommended), whose gradients can be taken."
+    )
   return multiply_by_scale(loss, get_loss_scale(opt_state))
 
 

@@ -37,7 +37,7 @@ skipped or applied, so the updates actually applied are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -98,6 +98,38 @@ def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
       "given to scaled_value_and_grad was captured from outside the jitted "
       "function: pass it to the step as an argument and call "
       "scaled_value_and_grad inside the step with that argument."
+    )
+
+
+def _check_update_arguments(optimizer: Any, model: Any, grads: Any) -> None:
+  """Raises a clear error for arguments ``update`` cannot use (before anything changes)."""
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(
+      f"jaxamp: flax_utils.update takes an nnx.Optimizer first, got {type(optimizer).__name__}; "
+      "call it as flax_utils.update(optimizer, model, grads)."
+    )
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      f"jaxamp: flax_utils.update takes the nnx.Module second, got {type(model).__name__}; "
+      "call it as flax_utils.update(optimizer, model, grads)."
+    )
+  _check_grads_given(grads, "flax_utils.update")
+
+
+def _check_grads_given(grads: Any, where: str) -> None:
+  if grads is None:
+    raise TypeError(
+      f"jaxamp: {where} got grads=None; pass the gradients of the scaled loss, "
+      "a tree like the parameters."
+    )
+
+
+def _check_train_state(state: Any) -> None:
+  if not all(hasattr(state, name) for name in ("tx", "params", "opt_state", "step", "replace")):
+    raise TypeError(
+      "jaxamp: flax_utils.apply_gradients takes a flax TrainState (with tx, params, "
+      f"opt_state and step), got {type(state).__name__}; for an optax state call "
+      "jaxamp.apply_scaled_updates(tx, grads, opt_state, params)."
     )
 
 
@@ -281,6 +313,7 @@ def update(
     >>> model.kernel[...].ravel().tolist(), int(optimizer.step[...])
     ([0.5, 1.5], 2)
   """
+  _check_update_arguments(optimizer, model, grads)
   graph = optimizer.graph
   param_arrays = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
   grad_arrays = nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph))
@@ -340,7 +373,9 @@ def apply_gradients(
     >>> state.params["w"].tolist()
     [0.5, 1.5]
   """
-  overwrite = OVERWRITE_WITH_GRADIENT in grads
+  _check_train_state(state)
+  _check_grads_given(grads, "flax_utils.apply_gradients")
+  overwrite = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
   grads_with_opt = grads["params"] if overwrite else grads
   params_with_opt = state.params["params"] if overwrite else state.params
   new_params_with_opt, new_opt_state = apply_scaled_updates(
