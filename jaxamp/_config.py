@@ -250,7 +250,7 @@ def _check_axis_name(axis_name: Any) -> None:
     )
 
 
-def _check_flag(name: str, value: Any) -> None:
+def check_flag(name: str, value: Any) -> None:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"jaxamp: {name} must be True or False, got {value!r}.")
 
@@ -268,11 +268,11 @@ def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig
       or options that contradict each other.
   """
   config = LossScaleConfig(**values)
-  _check_flag("enabled", config.enabled)
+  check_flag("enabled", config.enabled)
   if not config.enabled:
     return config
   for name in ("consecutive_hysteresis", "detect_unscale_overflow"):
-    _check_flag(name, getattr(config, name))
+    check_flag(name, getattr(config, name))
   _check_axis_name(config.axis_name)
   if config.schedule_counts not in ("applied", "iterations"):
     raise ValueError(

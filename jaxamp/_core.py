@@ -67,7 +67,9 @@ def _count_if(condition: jax.Array | bool, counter: jax.Array) -> jax.Array:
   return jnp.where(condition, optax.safe_increment(counter), counter)
 
 
-def advance(core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig) -> LossScaleCore:
+def advance(
+  core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig, *, eager: bool = False
+) -> LossScaleCore:
   """The core after one update that found (or did not find) inf/NaN.
 
   torch's rule (:func:`~jaxamp.update_loss_scale`) with the options::
@@ -81,7 +83,9 @@ def advance(core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig) 
       absorbed overflow, kept on a backoff.
 
   The counters advance, and reaching ``max_consecutive_skips`` raises from the
-  computation. With the defaults this is exactly torch's ``_amp_update_scale_``.
+  computation (``eager``: the caller raises with :func:`check_skip_limit` after
+  it, before it changes anything). With the defaults this is exactly torch's
+  ``_amp_update_scale_``.
   """
   found_inf = jnp.asarray(found_inf, bool)
   back_off = found_inf & (core.hysteresis_tracker <= 1)
@@ -112,18 +116,33 @@ def advance(core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig) 
       found_inf, _count_if(True, core.consecutive_skipped_steps), 0
     ),
   )
-  if config.max_consecutive_skips is not None:
+  if config.max_consecutive_skips is not None and not eager:
     _check_skip_limit(new, config.max_consecutive_skips)
   return new
 
 
-def _raise_too_many_skips(consecutive, step, scale, limit):
-  raise FloatingPointError(
+def _too_many_skips(consecutive, step, scale, limit) -> str:
+  return (
     f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
     f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
     f"update {int(step)}, with the loss scale now {float(scale)!r}. The loss itself "
     "is probably inf/NaN; check the model and data, or lower the learning rate."
   )
+
+
+def _raise_too_many_skips(consecutive, step, scale, limit):
+  raise FloatingPointError(_too_many_skips(consecutive, step, scale, limit))
+
+
+def check_skip_limit(core: LossScaleCore, config: LossScaleConfig) -> None:
+  """Outside ``jit``: raises ``RuntimeError`` when ``core`` (after an update,
+  not yet stored) has reached ``max_consecutive_skips`` (a host read)."""
+  limit = config.max_consecutive_skips
+  if limit is not None and int(core.consecutive_skipped_steps) >= limit:
+    message = _too_many_skips(
+      core.consecutive_skipped_steps, core.update_count, core.loss_scale, limit
+    )
+    raise RuntimeError(message + " Nothing was changed.")
 
 
 def _check_skip_limit(core: LossScaleCore, limit) -> None:

@@ -72,6 +72,13 @@ def leaf_finite_flags(tree: Any) -> jax.Array:
   return jnp.stack(flags) if flags else jnp.ones([0], bool)
 
 
+def _check_arrays(tree: Any) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not hasattr(leaf, "dtype"):
+      where = jax.tree_util.keystr(path) or "<root>"
+      raise TypeError(f"jaxamp: leaf {where} is a {type(leaf).__name__}, not an array.")
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Whether every element of every array leaf is finite (``None`` skipped).
 
@@ -80,4 +87,5 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jaxamp.all_finite({"w": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
+  _check_arrays(tree)
   return jnp.all(leaf_finite_flags(tree))

@@ -25,13 +25,27 @@ from jax import lax
 
 from jaxamp._checkpoint import STATE_DICT_KEYS, check_state_dict
 from jaxamp._compile import call_compiled
-from jaxamp._config import LossScaleConfig, check_new_scale, loss_scale_config, python_number
-from jaxamp._core import LossScaleCore, advance, init_core, int32_array, scale_array
+from jaxamp._config import (
+  LossScaleConfig,
+  check_flag,
+  check_new_scale,
+  loss_scale_config,
+  python_number,
+)
+from jaxamp._core import (
+  LossScaleCore,
+  advance,
+  check_skip_limit,
+  init_core,
+  int32_array,
+  scale_array,
+)
 from jaxamp._optimizer import Optimizer, per_param_leaf, updated
 from jaxamp._scaling import multiply_by_scale
 from jaxamp._schedules import advance_schedule_counts
+from jaxamp._transform import typed_like
 from jaxamp._unscale import finite_leaves, unscale
-from jaxamp._validation import check_float_gradients
+from jaxamp._validation import check_float_gradients, check_no_none_gradients, check_same_structure
 
 # torch's messages (docs/torch_semantics.md §4), raised as RuntimeError where torch asserts.
 _NOT_SCALED = (
@@ -83,16 +97,19 @@ def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
   (with the schedules advanced, for ``schedule_counts="iterations"``)."""
   tx, schedule_counts = static
 
+  def apply():
+    return updated(tx, grads, opt_state, params, **extra_args)
+
   def skip():
-    if schedule_counts == "iterations":
-      return params, advance_schedule_counts(opt_state)
-    return params, opt_state
+    state = advance_schedule_counts(opt_state) if schedule_counts == "iterations" else opt_state
+    return params, typed_like(state, jax.eval_shape(apply)[1])
 
-  return lax.cond(found_inf, skip, lambda: updated(tx, grads, opt_state, params, **extra_args))
+  return lax.cond(found_inf, skip, apply)
 
 
-def _advance(config: LossScaleConfig, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:
-  return advance(core, found_inf, config)
+def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:
+  config, eager = static
+  return advance(core, found_inf, config, eager=eager)
 
 
 def _key_of(optimizer: Any) -> int:
@@ -180,6 +197,7 @@ class GradScaler:
     self._states: dict[int, _Record] = {}
     self._scaled = False
     self._init_growth_tracker = 0
+    check_flag("enabled", enabled)
     if not enabled:
       self._config, self._core = _DISABLED, None  # type: ignore[assignment]
       return
@@ -192,9 +210,9 @@ class GradScaler:
       min_loss_scale=min_loss_scale,
       max_loss_scale=max_loss_scale,
       hysteresis=hysteresis,
-      consecutive_hysteresis=bool(consecutive_hysteresis),
+      consecutive_hysteresis=consecutive_hysteresis,
       max_consecutive_skips=max_consecutive_skips,
-      detect_unscale_overflow=bool(detect_unscale_overflow),
+      detect_unscale_overflow=detect_unscale_overflow,
       schedule_counts=schedule_counts,
     )
     self._core = init_core(self._config)
@@ -308,6 +326,8 @@ class GradScaler:
     if grads is None or not jax.tree.leaves(grads):
       return grads, None, None
     check_float_gradients(grads)
+    check_same_structure(grads, optimizer.params)
+    check_no_none_gradients(grads)
     scale = self._core.loss_scale
     finite = finite_leaves(grads, scale, self._config.detect_unscale_overflow)
     found_inf = ~jnp.all(finite)
@@ -418,7 +438,13 @@ class GradScaler:
     if not found_infs:
       raise RuntimeError(_NO_CHECKS_UPDATE)
     found_inf = functools.reduce(jnp.logical_or, found_infs)
-    self._core = call_compiled(_advance, self._config, self._core, found_inf)
+    eager = not any(
+      isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((self._core, found_inf))
+    )
+    core = call_compiled(_advance, (self._config, eager), self._core, found_inf)
+    if eager:
+      check_skip_limit(core, self._config)
+    self._core = core
     self._states = {}
     self._release()
 

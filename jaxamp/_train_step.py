@@ -19,9 +19,16 @@ from jaxamp._accumulation import (
   within_window,
 )
 from jaxamp._compile import call_compiled
+from jaxamp._core import check_skip_limit
 from jaxamp._groups import skipped_leaves
 from jaxamp._state_access import find_loss_scale_state
-from jaxamp._transform import KNOWN_CHECK, DynamicLossScaleState, KnownCheck, check_gradients
+from jaxamp._transform import (
+  KNOWN_CHECK,
+  DynamicLossScaleState,
+  KnownCheck,
+  check_gradients,
+  core_of,
+)
 from jaxamp._unscale import rounded, runtime_zero
 from jaxamp._validation import check_float_gradients, check_same_structure
 
@@ -122,6 +129,11 @@ def apply_scaled_updates(
     >>> params["w"].tolist()
     [0.800000011920929, 0.8999999761581421]
   """
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+      "jaxamp.apply_scaled_updates: tx must be the optax transformation holding the "
+      f"dynamic_loss_scale, got {type(tx).__name__}."
+    )
   scale_state = find_loss_scale_state(opt_state)
   config = scale_state.config
   if axis_name is not None and axis_name != config.axis_name:
@@ -139,16 +151,23 @@ def apply_scaled_updates(
     _check_sees_grads_as_given(opt_state)
   check_float_gradients(grads)
   check_same_structure(grads, params)
-  return call_compiled(_apply_scaled_updates, tx, grads, opt_state, params, extra_args)
+  eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((grads, opt_state)))
+  arguments = (grads, opt_state, params, extra_args)
+  new_params, new_state = call_compiled(_apply_scaled_updates, (tx, eager), *arguments)
+  if eager:  # outside jit: a clear error, and the caller's state as it was
+    check_skip_limit(core_of(find_loss_scale_state(new_state)), config)
+  return new_params, new_state
 
 
-def _apply_scaled_updates(tx, grads, opt_state, params, extra_args):
+def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
+  tx, eager = static
   if not isinstance(opt_state, AccumulateGradientsState):
-    return _fused_step(tx, grads, opt_state, params, extra_args)
+    return _fused_step(tx, grads, opt_state, params, extra_args, eager)
   total = accumulated(grads, opt_state)
 
   def end(params, state):
-    new_params, inner_state = _fused_step(tx.inner, total, state.inner_state, params, extra_args)
+    inner_state = state.inner_state
+    new_params, inner_state = _fused_step(tx.inner, total, inner_state, params, extra_args, eager)
     return new_params, after_window(state, total, inner_state)
 
   def hold(params, state):
@@ -157,7 +176,7 @@ def _apply_scaled_updates(tx, grads, opt_state, params, extra_args):
   return lax.cond(window_ends(opt_state, tx.every_k), end, hold, params, opt_state)
 
 
-def _fused_step(tx, grads, opt_state, params, extra_args):
+def _fused_step(tx, grads, opt_state, params, extra_args, eager):
   """Check ``grads`` once, then the whole update in one branch, or the skip."""
   scale_state = find_loss_scale_state(opt_state)
   config = scale_state.config
@@ -167,7 +186,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args):
   nonfinite, found_inf = check_gradients(grads, scale_state, config)
 
   def update(params, opt_state, found_inf):
-    check = KnownCheck(nonfinite, found_inf)
+    check = KnownCheck(nonfinite, found_inf, eager)
     return tx.update(grads, opt_state, params, **extra_args, **{KNOWN_CHECK: check})
 
   def skip(params, opt_state):

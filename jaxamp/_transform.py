@@ -12,7 +12,7 @@ from jax import lax
 
 from jaxamp._compile import call_compiled
 from jaxamp._config import LossScaleConfig, loss_scale_config
-from jaxamp._core import LossScaleCore, advance, init_core
+from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
 from jaxamp._schedules import advance_schedule_counts
@@ -67,17 +67,18 @@ def core_of(state: DynamicLossScaleState) -> LossScaleCore:
 class KnownCheck:
   """The check of the gradients, made by ``jaxamp.apply_scaled_updates`` in
   front of the transformation and passed to ``update`` as the extra argument
-  ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags and, static, ``found_inf``."""
+  ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags and, static, ``found_inf`` and
+  whether the call is eager (then the caller checks the skip limit after it)."""
 
-  def __init__(self, nonfinite: jax.Array, found_inf: bool):
-    self.nonfinite, self.found_inf = nonfinite, found_inf
+  def __init__(self, nonfinite: jax.Array, found_inf: bool, eager: bool):
+    self.nonfinite, self.found_inf, self.eager = nonfinite, found_inf, eager
 
   def tree_flatten(self):
-    return (self.nonfinite,), self.found_inf
+    return (self.nonfinite,), (self.found_inf, self.eager)
 
   @classmethod
-  def tree_unflatten(cls, found_inf, children):
-    return cls(children[0], found_inf)
+  def tree_unflatten(cls, static, children):
+    return cls(children[0], *static)
 
 
 KNOWN_CHECK = "jaxamp_known_check"
@@ -86,6 +87,14 @@ KNOWN_CHECK = "jaxamp_known_check"
 def check_gradients(grads: Any, state: DynamicLossScaleState, config: LossScaleConfig):
   """Per-leaf ``nonfinite`` flags and ``found_inf``, shared by every device of
   ``config.axis_name``: the check both jaxamp steps make."""
+  if config.axis_name is None:
+    varying = sorted(set().union(*map(varying_axes, jax.tree.leaves(grads))))
+    if varying:
+      raise ValueError(
+        f"jaxamp: the gradients differ between the devices of the shard_map axes "
+        f"{varying}, but dynamic_loss_scale has no axis_name, so each device would "
+        f"skip on its own. Build it with axis_name={tuple(varying) if len(varying) > 1 else varying[0]!r}."
+      )
   nonfinite = ~finite_leaves(grads, state.loss_scale, config.detect_unscale_overflow)
   if config.axis_name is not None:
     nonfinite = all_reduce_found_inf(nonfinite, state, config.axis_name)
@@ -98,16 +107,23 @@ def _like(value: jax.Array, template: Any) -> jax.Array:
   return lax.pcast(value, missing, to="varying") if missing else value
 
 
+def typed_like(value: Any, template: Any) -> Any:
+  """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance: an
+  optimizer may widen its state on its first update (optax's Adam promotes a
+  bfloat16 parameter's moments to float32 with an injected float32 rate)."""
+  return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
+
+
 def _skipped(applied_step, grads, inner_state, params):
   """Zero updates and the untouched inner state, typed as ``applied_step``'s output."""
   updates_out, state_out = jax.eval_shape(applied_step, grads, inner_state, params)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_out)
-  return jax.tree.map(_like, zeros, updates_out), jax.tree.map(_like, inner_state, state_out)
+  return typed_like(zeros, updates_out), typed_like(inner_state, state_out)
 
 
 def _update(static, grads, state, params, extra_args, known, injected):
   """One torch iteration: check, apply or skip the inner update, advance the core."""
-  inner, recorded = static
+  inner, recorded, eager = static
   config = recorded.replace(**injected)
   if config.param_labels is None:
     inner, labels = optax.with_extra_args_support(inner), None
@@ -140,7 +156,7 @@ def _update(static, grads, state, params, extra_args, known, injected):
     updates, inner_state = lax.cond(~found_inf, apply, skip, *operands)
   else:  # apply_scaled_updates runs each branch with found_inf known: no cond here
     updates, inner_state = (skip if known.found_inf else apply)(*operands)
-  core = advance(core_of(state), found_inf, config)
+  core = advance(core_of(state), found_inf, config, eager=eager or bool(known and known.eager))
   nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
   return updates, state._replace(
     **core._asdict(), nonfinite_leaves=nonfinite, inner_state=inner_state
@@ -304,6 +320,10 @@ def dynamic_loss_scale(
       return updates, state._replace(inner_state=inner_state)
     check_leaf_count(updates, state.nonfinite_leaves)
     arguments = (updates, state, params, extra_args, known, config.arrays())
-    return call_compiled(_update, static, *arguments)
+    eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, state)))
+    updates, new_state = call_compiled(_update, (*static, eager), *arguments)
+    if eager:  # outside jit: a clear error, and the caller's state as it was
+      check_skip_limit(core_of(new_state), config)
+    return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

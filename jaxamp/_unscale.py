@@ -79,6 +79,7 @@ def inverse_scale(loss_scale: jax.Array) -> jax.Array:
     >>> np.asarray(inverse_scale(jnp.asarray(scale))).tobytes() == np.float32(1 / np.float64(scale)).tobytes()
     True
   """
+  _check_loss_scale(loss_scale)
   return _inverse_parts(loss_scale)[0]
 
 
@@ -158,8 +159,21 @@ def unscale(grads: Any, loss_scale: jax.Array) -> Any:
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
+def _check_loss_scale(loss_scale: Any) -> None:
+  dtype, shape = getattr(loss_scale, "dtype", None), getattr(loss_scale, "shape", ())
+  is_float = (
+    jnp.issubdtype(dtype, jnp.floating) if dtype is not None else (isinstance(loss_scale, float))
+  )
+  if not is_float or shape != ():
+    raise TypeError(
+      "jaxamp: loss_scale must be a float32 scalar (the state's loss_scale), got "
+      f"{type(loss_scale).__name__} {loss_scale!r}."
+    )
+
+
 def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """:func:`unscale_and_check` with the finiteness of each leaf (bool ``[n]``)."""
+  _check_loss_scale(loss_scale)
   check_float_gradients(grads)
   return unscale(grads, loss_scale), leaf_finite_flags(grads)
 

@@ -62,3 +62,15 @@ def check_leaf_count(grads: Any, nonfinite_leaves: jax.Array) -> None:
       f"jaxamp: the gradient tree has {count} array leaves, but the optimizer "
       f"state was initialised for parameters with {expected}."
     )
+
+
+def check_no_none_gradients(grads: Any) -> None:
+  """Raises ValueError naming the first ``None`` gradient leaf (an optax update
+  needs every gradient of the params it steps)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_none)[0]:
+    if leaf is None:
+      raise ValueError(
+        f"jaxamp: the gradient of {jax.tree_util.keystr(path) or '<root>'} is None; a "
+        "jaxamp.Optimizer steps every one of its params: give it zeros, or leave a "
+        "frozen parameter out of the Optimizer's params."
+      )
