@@ -252,7 +252,7 @@ class GradScaler:
       owner = self.__dict__.setdefault("_owner", me)
     if owner != me:
       raise RuntimeError(
-        f"jaxamp.GradScaler is being used from two threads: {funcname}() called from "
+        f"jaxamp: this GradScaler is being used from two threads: {funcname}() called from "
         f"thread {me} while thread {owner} is in an iteration. Give each thread its "
         "own scaler (torch's GradScaler is not thread-safe either)."
       )
@@ -327,7 +327,6 @@ class GradScaler:
       return grads, None, None
     check_float_gradients(grads)
     check_same_structure(grads, optimizer.params)
-    check_no_none_gradients(grads)
     scale = self._core.loss_scale
     finite = finite_leaves(grads, scale, self._config.detect_unscale_overflow)
     found_inf = ~jnp.all(finite)
@@ -396,6 +395,7 @@ class GradScaler:
       grads, found_inf = optimizer.grads, record.found_inf
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
+    check_no_none_gradients(grads, optimizer.params)
     static = (optimizer.tx, self._config.schedule_counts)
     params, opt_state = call_compiled(
       _step_unless, static, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args

@@ -129,7 +129,7 @@ def apply_scaled_updates(
     >>> params["w"].tolist()
     [0.800000011920929, 0.8999999761581421]
   """
-  if not isinstance(tx, optax.GradientTransformation):
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):  # optax.MultiSteps is a class
     raise TypeError(
       "jaxamp.apply_scaled_updates: tx must be the optax transformation holding the "
       f"dynamic_loss_scale, got {type(tx).__name__}."

@@ -319,6 +319,11 @@ def dynamic_loss_scale(
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
     check_leaf_count(updates, state.nonfinite_leaves)
+    if params is None:  # no params to check the shapes against: the inner update's
+      shapes, _ = jax.eval_shape(
+        lambda g, s: inner.update(g, s, None, **extra_args), updates, state.inner_state
+      )
+      check_same_structure(updates, shapes)
     arguments = (updates, state, params, extra_args, known, config.arrays())
     eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, state)))
     updates, new_state = call_compiled(_update, (*static, eager), *arguments)

@@ -164,10 +164,15 @@ def _check_loss_scale(loss_scale: Any) -> None:
   is_float = (
     jnp.issubdtype(dtype, jnp.floating) if dtype is not None else (isinstance(loss_scale, float))
   )
-  if not is_float or shape != ():
+  if not is_float:
     raise TypeError(
       "jaxamp: loss_scale must be a float32 scalar (the state's loss_scale), got "
       f"{type(loss_scale).__name__} {loss_scale!r}."
+    )
+  if shape != ():
+    raise ValueError(
+      f"jaxamp: loss_scale must be a float32 scalar, got an array of shape {shape}; "
+      "pass the state's loss_scale."
     )
 
 

@@ -64,13 +64,15 @@ def check_leaf_count(grads: Any, nonfinite_leaves: jax.Array) -> None:
     )
 
 
-def check_no_none_gradients(grads: Any) -> None:
-  """Raises ValueError naming the first ``None`` gradient leaf (an optax update
-  needs every gradient of the params it steps)."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_none)[0]:
-    if leaf is None:
+def check_no_none_gradients(grads: Any, params: Any) -> None:
+  """Raises ValueError naming the first parameter whose gradient is ``None``:
+  an optax update needs a gradient for every parameter it steps."""
+  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)[0]
+  grad_leaves = jax.tree.leaves(grads, is_leaf=_is_none)
+  for (path, param), grad in zip(paths, grad_leaves):
+    if grad is None and param is not None:
       raise ValueError(
-        f"jaxamp: the gradient of {jax.tree_util.keystr(path) or '<root>'} is None; a "
-        "jaxamp.Optimizer steps every one of its params: give it zeros, or leave a "
-        "frozen parameter out of the Optimizer's params."
+        f"jaxamp: the gradient of {jax.tree_util.keystr(path) or '<root>'} is None; "
+        "an optax update needs one for every parameter: give it zeros, or leave a "
+        "frozen parameter out of the Optimizer's params. Nothing was changed."
       )
