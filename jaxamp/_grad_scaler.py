@@ -112,6 +112,14 @@ def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore
   return advance(core, found_inf, config, eager=eager)
 
 
+def _under_jit(x: Any) -> bool:
+  """Whether ``x`` is traced by ``jit`` (not only differentiated eagerly: a
+  ported torch loop calls ``jax.grad(lambda p: scaler.scale(...))`` outside jit)."""
+  while isinstance(x, jax.core.Tracer) and hasattr(x, "primal"):  # JVP, linearize
+    x = x.primal
+  return isinstance(x, jax.core.Tracer)
+
+
 def _key_of(optimizer: Any) -> int:
   if not isinstance(optimizer, Optimizer):
     raise TypeError(
@@ -297,6 +305,8 @@ class GradScaler:
     if not self._enabled:
       return outputs
     self._claim("scale")
+    if any(_under_jit(x) for x in jax.tree.leaves(outputs)):
+      self._check_not_captured("scale", outputs)
     found_array = False
 
     def apply(value):
