@@ -42,14 +42,32 @@ class Scenario:
       ``jaxamp.dynamic_loss_scale``.
     inject: ``{step: ((torch_param_name, flat_index, value), ...)}`` written into
       the scaled gradients after backward.
-    clip: ``clip_grad_norm_`` max norm after ``unscale_`` (``clip_by_global_norm``).
+    clip: ``clip_grad_norm_`` max norm after ``unscale_`` (jaxamp side:
+      ``optax.clip_by_global_norm``, or torch's formula with ``clip_torch``).
+    clip_torch: clip with torch's formula on the jaxamp side too:
+      ``jaxamp.clip_by_torch_norm`` inside the wrapper, ``jaxamp.clip_grad_norm``
+      on the optimizers' grads after ``unscale_``.
     explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
     late_inject: as ``inject``, but written after ``unscale_`` (not re-checked).
     unstepped: ``{step: (optimizer index, ...)}`` whose ``step`` is not called.
     setters: ``{step: {"growth_factor": x, ...}}``: ``scaler.set_<name>(x)`` before it.
     new_scale: ``{step: value}``: ``update(new_scale=value)`` at that step.
     initial_tracker: a growth tracker loaded before the first step.
-    accumulate: micro-batches whose scaled gradients are summed per step.
+    accumulate: micro-batches whose scaled gradients are summed per step (one
+      step is one accumulation window: torch's ``backward`` per micro-batch, then
+      ``step``/``update``/``zero_grad``; jaxamp: ``jaxamp.accumulate_gradients``
+      around the wrapper, ``Optimizer.accumulate`` with ``GradScaler``). With
+      accumulation, ``inject`` is written after the last micro-batch's backward
+      (in JAX into that micro-batch's gradients: the same for inf/NaN, the only
+      values allowed then).
+    micro_inject: ``{(step, micro): injections}``, as ``inject`` after that
+      micro-batch's backward (inf/NaN only).
+    divide_loss: each micro-batch's loss is divided by ``accumulate``, as torch's
+      AMP accumulation example (``loss / iters_to_accumulate``).
+    grad_penalty: torch's AMP gradient-penalty example: the unscaled gradients of
+      the scaled loss (``1 / get_scale()``), their norm added to the loss, then
+      the scaled total backpropagated.
+    jaxamp_options: keyword arguments for jaxamp only (``schedule_counts``).
     autocast: torch autocast dtype (the Flax model is built with the same dtype).
     resume: ``(step, "jax" | "torch")``: after ``step`` steps, the other
       framework's checkpoint is loaded into this one, which continues from it.
@@ -80,6 +98,11 @@ class Scenario:
   new_scale: dict = dataclasses.field(default_factory=dict)
   initial_tracker: int | None = None
   accumulate: int = 1
+  micro_inject: dict = dataclasses.field(default_factory=dict)
+  divide_loss: bool = False
+  grad_penalty: bool = False
+  clip_torch: bool = False
+  jaxamp_options: dict = dataclasses.field(default_factory=dict)
   autocast: str | None = None
   resume: tuple[int, str] | None = None
   param_rtol: float = 1e-5
@@ -300,8 +323,8 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "two_layer_two_optimizers",
         "Linear -> ReLU -> Linear, momentum SGD on layer 0 and Adam on layer 2 "
-        "(optax: multi_transform in one wrapper); inf and NaN in both layers on the "
-        "same steps, so both optimizers skip together.",
+        "(optax: {label: tx} with param_labels in one wrapper); inf and NaN in both "
+        "layers on the same steps, so both optimizers skip together.",
         models.two_layer,
         optimizers=(OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
                     OptSpec("adam", 0.01, prefix="2.")),
@@ -366,14 +389,15 @@ SCENARIOS: list[Scenario] = [
         "two_layer_per_optimizer_skip",
         "docs/torch_semantics.md §6.29: two optimizers (momentum SGD on layer 0, Adam on layer 2), inf only in "
         "layer 0 at step 1, NaN only in layer 2 at step 2, both at step 3: each optimizer "
-        "skips on its own gradients, and the scale backs off once per update.",
+        "skips on its own gradients, and the scale backs off once per update. optax: "
+        "dynamic_loss_scale({label: tx}, param_labels=...).",
         models.two_layer,
         optimizers=(OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
                     OptSpec("adam", 0.01, prefix="2.")),
         steps=8, scaler=_factors(8.0, 2.0, 0.5, 2),
         inject={1: (("0.weight", 3, INF),), 2: (("2.bias", 1, NAN),),
                 3: (("0.bias", 0, INF), ("2.weight", 9, NAN))},
-        spec=(29,), apis=("grad_scaler",),
+        spec=(29,),
     ),
     Scenario(
         "two_layer_untouched_optimizer",
