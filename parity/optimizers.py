@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from typing import Any
 
@@ -109,7 +110,7 @@ def step_torch_scheduler(scheduler) -> None:
   """``scheduler.step()``; its warning about a step before ``optimizer.step()``
   (the first iteration skipped, docs/torch_semantics.md §6.61) is expected here."""
   with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+    warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
     scheduler.step()
 
 

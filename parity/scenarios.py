@@ -256,6 +256,91 @@ SCENARIOS: list[Scenario] = [
         inject=_at([2, 5], INF), spec=(26, 27),
     ),
     Scenario(
+        "two_layer_accumulation_overflow_window",
+        "torch's AMP accumulation example: 4 micro-batches per window, loss / 4, backward "
+        "each, step/update/zero_grad at the window's end; inf in micro-batch 1 of window 2 "
+        "and NaN in micro-batch 3 of window 5 skip those windows, and the next windows "
+        "start from zero gradients (optax: jaxamp.accumulate_gradients(dynamic_loss_scale); "
+        "GradScaler: zero_grad(set_to_none=False) + Optimizer.accumulate). One step here is "
+        "one window.",
+        models.two_layer, optimizers=MOMENTUM, steps=9, scaler=_factors(1024.0, 2.0, 0.5, 2),
+        accumulate=4, divide_loss=True,
+        micro_inject={(2, 1): (("0.weight", 5, INF),), (5, 3): (("2.bias", 1, NAN),)},
+        spec=(32,),
+    ),
+    Scenario(
+        "two_layer_warmup_lambda_lr_early_skips",
+        "Adam with torch's LambdaLR linear warmup (10 steps) from the default scale 65536, "
+        "inf at steps 0-3 (as a float16 run's first steps overflow) and 12: torch's "
+        "scheduler.step() runs every iteration, skipped ones included, Adam's own step does "
+        "not (jaxamp: schedule_counts='iterations', optax.adam(schedule)). The optax "
+        "schedule's learning rates are checked against torch's before training.",
+        models.two_layer, optimizers=(OptSpec("adam", 0.01, schedule=("warmup", 10)),),
+        steps=20, scaler=_factors(65536.0, 2.0, 0.5, 4), inject=_at([0, 1, 2, 3, 12], INF),
+        jaxamp_options={"schedule_counts": "iterations"}, spec=(33, 61),
+    ),
+    Scenario(
+        "two_layer_onecycle_early_skips",
+        "momentum SGD with torch's OneCycleLR (max_lr 0.1, 40 total steps, pct_start 0.3; "
+        "its defaults: cosine annealing, div_factor 25, final_div_factor 1e4, momentum cycled "
+        "0.95 -> 0.85 -> 0.95), inf at steps 0-3 and 20: the schedule advances on skipped "
+        "steps (jaxamp: schedule_counts='iterations', "
+        "inject_hyperparams(sgd)(learning_rate=lr(count), momentum=m(count))). lr and "
+        "momentum sequences are checked against torch's before training (a few float32 "
+        "ulps: the schedule is float32, torch's float64).",
+        models.two_layer,
+        optimizers=(OptSpec("sgd", 0.1, momentum=0.9, schedule=("onecycle", 40, 0.1, 0.3)),),
+        steps=40, scaler=_factors(65536.0, 2.0, 0.5, 5), inject=_at([0, 1, 2, 3, 20], INF),
+        jaxamp_options={"schedule_counts": "iterations"}, spec=(61,),
+    ),
+    Scenario(
+        "two_layer_param_labels_one_layer_inf",
+        "Several optimizers, one scaler, in both APIs: Adam on layer 0, momentum SGD on "
+        "layer 2 (optax: dynamic_loss_scale({label: tx}, param_labels=...)); inf/NaN only "
+        "in layer 2's gradients at steps 3, 4, 11 and 15, in layer 0's only at step 8: only "
+        "that optimizer skips, the other steps, and the scale backs off once per step.",
+        models.two_layer,
+        optimizers=(OptSpec("adam", 0.01, prefix="0."),
+                    OptSpec("sgd", 0.05, momentum=0.9, prefix="2.")),
+        steps=20, scaler=_factors(16.0, 2.0, 0.5, 3),
+        inject={3: (("2.weight", 7, INF),), 4: (("2.bias", 0, -INF),),
+                8: (("0.bias", 4, INF),), 11: (("2.weight", 30, INF),),
+                15: (("2.bias", 9, NAN),)},
+        spec=(29,),
+    ),
+    Scenario(
+        "two_layer_grad_penalty",
+        "torch's AMP gradient-penalty example: autograd.grad of scaler.scale(loss) with "
+        "create_graph, times inv_scale = 1 / scaler.get_scale(), their norm added to the "
+        "loss, scaler.scale(loss).backward() (jaxamp: jax.grad inside the loss, "
+        "1 / GradScaler.get_scale() inside jit, 1 / jaxamp.get_loss_scale(state) for optax); "
+        "inf at steps 4 and 9.",
+        models.two_layer, optimizers=MOMENTUM, steps=14, scaler=_factors(1024.0, 2.0, 0.5, 3),
+        inject=_at([4, 9], INF), grad_penalty=True,
+    ),
+    Scenario(
+        "vector_scale_above_2_126",
+        "torch's test_grad_scale_will_not_overflow idea: init_scale 1e38 (> 2**126), so "
+        "inv_scale = 1 / scale is a float32 subnormal; growth 2, interval 2: 1e38 -> 2e38, "
+        "the next growth (4e38) would overflow and is dropped; inf at step 7 backs off to "
+        "1e38. The unscaled gradients g * inv_scale must equal torch's bit for bit (w ~ "
+        "N(0, 1e-3), so they are normal floats).",
+        functools.partial(models.vectors, {"p": "float32"}, size=16, data_scale=1e-3),
+        steps=12, scaler=_factors(1e38, 2.0, 0.5, 2), inject=_at([7], INF, "p", 3),
+    ),
+    Scenario(
+        "vector_clip_torch_formula",
+        "unscale_ then clip_grad_norm_(1e-3) with torch's formula on both sides: "
+        "jaxamp.clip_by_torch_norm inside the wrapper, jaxamp.clip_grad_norm on the "
+        "optimizers' grads after GradScaler.unscale_ (max_norm / (norm + 1e-6), clamped at "
+        "1); momentum SGD, inf at steps 3 and 7. The gradients are small (w ~ N(0, 1e-3), "
+        "norm ~4e-3), so optax.clip_by_global_norm's max_norm / norm is 2.5e-4 off "
+        "relative and the momentum buffers would fail the 1e-5 tolerance.",
+        functools.partial(models.vectors, {"p": "float32"}, size=16, data_scale=1e-3),
+        optimizers=MOMENTUM, steps=12, scaler=_factors(1024.0, 2.0, 0.5, 3),
+        clip=1e-3, clip_torch=True, inject=_at([3, 7], INF, "p", 2), spec=(26, 27),
+    ),
+    Scenario(
         "linear_adam_skip_first",
         "docs/torch_semantics.md §6.33, §6.34: Adam with inf at steps 0 and 3: torch's state stays empty after "
         "the skipped first step (optax: count 0, zero moments), counts 0,1,2,2,3,4,5.",
