@@ -396,7 +396,10 @@ class _TorchBlock(torch.nn.Module):
     super().__init__()
     self.heads = heads
     self.ln1 = torch.nn.LayerNorm(d)
-    self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+    # q, k, v without bias: a key bias gets an exactly-zero gradient (softmax is
+    # invariant to it), pure rounding noise that Adam would amplify to full steps.
+    self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+    self.o = torch.nn.Linear(d, d)
     self.ln2 = torch.nn.LayerNorm(d)
     self.fc1, self.fc2 = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
 
@@ -452,7 +455,7 @@ class _FlaxBlock(nn.Module):
       return y.reshape(b, t, self.heads, dh).transpose(0, 2, 1, 3)
 
     h = self._ln("ln1")(x)
-    q, k, v = (split(nn.Dense(d, name=n)(h)) for n in ("q", "k", "v"))
+    q, k, v = (split(nn.Dense(d, use_bias=False, name=n)(h)) for n in ("q", "k", "v"))
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(dh)
     causal = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(causal, scores, -jnp.inf)
@@ -490,9 +493,10 @@ def _decoder_layout(layers: int):
     for ln in ("ln1",):
       layout += [(f"{block}.{ln}.weight", (*path, ln, "scale"), "same"),
                  (f"{block}.{ln}.bias", (*path, ln, "bias"), "same")]
-    for lin in ("q", "k", "v", "o"):
-      layout += [(f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense"),
-                 (f"{block}.{lin}.bias", (*path, lin, "bias"), "same")]
+    for lin in ("q", "k", "v"):
+      layout += [(f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense")]
+    layout += [(f"{block}.o.weight", (*path, "o", "kernel"), "dense"),
+               (f"{block}.o.bias", (*path, "o", "bias"), "same")]
     layout += [(f"{block}.ln2.weight", (*path, "ln2", "scale"), "same"),
                (f"{block}.ln2.bias", (*path, "ln2", "bias"), "same")]
     for lin in ("fc1", "fc2"):

@@ -471,6 +471,35 @@ SCENARIOS: list[Scenario] = [
         plot=True,
     ),
     Scenario(
+        "transformer_decoder",
+        "A 2-layer decoder-only Transformer (d_model 32, 4 heads, causal self-attention, "
+        "pre-LayerNorm, GELU MLP; q/k/v without bias) on a synthetic copy task, float32, "
+        "momentum SGD, 200 steps, interval 10, inf written into a different layer every 29 "
+        "steps: several growth and backoff cycles. Momentum SGD, not Adam: Adam's first "
+        "step divides each gradient by its own magnitude, so elements whose gradient is "
+        "rounding noise (sums that cancel) take full steps in a direction set by the "
+        "rounding; measured 9e-5 apart at step 0.",
+        models.transformer, optimizers=(OptSpec("sgd", 0.1, momentum=0.9),), steps=200,
+        scaler=_factors(65536.0, 2.0, 0.5, 10),
+        inject={s: ((name, 5, INF),) for s, name in zip(
+            range(7, 200, 29),
+            ["blocks.0.q.weight", "blocks.1.fc1.weight", "head.bias", "embed.weight",
+             "blocks.0.ln1.weight", "blocks.1.o.weight", "pos"])},
+        plot=True,
+    ),
+    Scenario(
+        "two_layer_long_growth_backoff",
+        "1,200 steps, momentum SGD (lr 0.02), growth interval 8, inf every 37 steps and NaN "
+        "at 600-602: the scale grows 130 times and backs off 35 (2**10 to 2**105), tracker "
+        "and skips bit-equal throughout. lr 0.02: at 0.05 the momentum buffers drift 8.1e-6 "
+        "apart over the 1,200 steps, too close to 1e-5 (at 0.02: 1.4e-6).",
+        models.two_layer, optimizers=(OptSpec("sgd", 0.02, momentum=0.9),), steps=1200,
+        scaler=_factors(1024.0, 2.0, 0.5, 8),
+        inject={**_at(range(20, 1200, 37), INF, "2.weight", 13),
+                **_at([600, 601, 602], NAN, "0.bias", 4)},
+        plot=True,
+    ),
+    Scenario(
         "two_layer_per_optimizer_skip",
         "docs/torch_semantics.md §6.29: two optimizers (momentum SGD on layer 0, Adam on layer 2), inf only in "
         "layer 0 at step 1, NaN only in layer 2 at step 2, both at step 3: each optimizer "
