@@ -15,7 +15,9 @@ import sys
 import tempfile
 
 _APIS = ("optax", "grad_scaler")
-_INSTALL_HINT = "Install the parity extra: pip install -e '.[parity]' (or run bash scripts/parity.sh)."
+_INSTALL_HINT = (
+  "Install the parity extra: pip install -e '.[parity]' (or run bash scripts/parity.sh)."
+)
 
 
 class BadInput(Exception):
@@ -24,21 +26,34 @@ class BadInput(Exception):
 
 def _parse(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m parity",
-      description="Runs the same models under torch.amp.GradScaler and under jaxamp and "
-      "compares scale, growth tracker, skip decisions, unscaled gradients (bit for bit), "
-      "parameters and optimizer states (within stated tolerances) after every step.",
+    prog="python -m parity",
+    description="Runs the same models under torch.amp.GradScaler and under jaxamp and "
+    "compares scale, growth tracker, skip decisions, unscaled gradients (bit for bit), "
+    "parameters and optimizer states (within stated tolerances) after every step.",
   )
-  parser.add_argument("--scenario", action="append", metavar="NAME",
-                      help="run only this scenario (repeatable); see --list")
-  parser.add_argument("--api", choices=(*_APIS, "all"), default="all",
-                      help="which jaxamp API to compare (default: all that apply)")
+  parser.add_argument(
+    "--scenario",
+    action="append",
+    metavar="NAME",
+    help="run only this scenario (repeatable); see --list",
+  )
+  parser.add_argument(
+    "--api",
+    choices=(*_APIS, "all"),
+    default="all",
+    help="which jaxamp API to compare (default: all that apply)",
+  )
   parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-  parser.add_argument("--json", metavar="PATH", type=pathlib.Path,
-                      help="also write the results as JSON")
-  parser.add_argument("--png", metavar="PATH", type=pathlib.Path,
-                      default=pathlib.Path("parity_out/parity.png"),
-                      help="where to write the scale and loss curves (default: %(default)s)")
+  parser.add_argument(
+    "--json", metavar="PATH", type=pathlib.Path, help="also write the results as JSON"
+  )
+  parser.add_argument(
+    "--png",
+    metavar="PATH",
+    type=pathlib.Path,
+    default=pathlib.Path("parity_out/parity.png"),
+    help="where to write the scale and loss curves (default: %(default)s)",
+  )
   parser.add_argument("--no-png", action="store_true", help="do not draw the curves")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser.parse_args(argv)
@@ -110,10 +125,10 @@ def _run(args, selected) -> int:
   from parity import engine, report
 
   runs = [
-      (scenario, api)
-      for scenario in selected
-      for api in _APIS
-      if api in scenario.apis and args.api in (api, "all")
+    (scenario, api)
+    for scenario in selected
+    for api in _APIS
+    if api in scenario.apis and args.api in (api, "all")
   ]
   try:
     from tqdm import tqdm

@@ -22,11 +22,11 @@ import optax
 import jaxamp
 from parity.models import NamedLayout, Pair
 from parity.optimizers import (
-    jax_inner_state_from_torch,
-    jax_state,
-    make_optax,
-    make_single_optax,
-    owned,
+  jax_inner_state_from_torch,
+  jax_state,
+  make_optax,
+  make_single_optax,
+  owned,
 )
 
 
@@ -90,11 +90,11 @@ def _scaler_state_dict(scenario, scale: float, tracker: int) -> dict:
   """torch's five ``state_dict`` keys for this scenario's hyperparameters."""
   s = scenario.scaler
   return {
-      "scale": scale,
-      "growth_factor": s.get("growth_factor", 2.0),
-      "backoff_factor": s.get("backoff_factor", 0.5),
-      "growth_interval": s.get("growth_interval", 2000),
-      "_growth_tracker": tracker,
+    "scale": scale,
+    "growth_factor": s.get("growth_factor", 2.0),
+    "backoff_factor": s.get("backoff_factor", 0.5),
+    "growth_interval": s.get("growth_interval", 2000),
+    "_growth_tracker": tracker,
   }
 
 
@@ -119,7 +119,7 @@ def _inner(scenario, pair: Pair) -> tuple[Any, Any]:
   inner = make_optax(scenario.optimizers, pair)
   if scenario.clip is not None:
     # torch.nn.utils.clip_grad_norm_ after unscale_: clipping sees unscaled grads.
-    clip = (jaxamp.clip_by_torch_norm if scenario.clip_torch else optax.clip_by_global_norm)
+    clip = jaxamp.clip_by_torch_norm if scenario.clip_torch else optax.clip_by_global_norm
     inner = optax.chain(clip(scenario.clip), inner)
   return inner, None
 
@@ -137,8 +137,9 @@ def _is_scale_state(x: Any) -> bool:
 def _replace_scale_state(opt_state: Any, **fields) -> Any:
   """``opt_state`` with fields of its ``DynamicLossScaleState`` replaced."""
   return jax.tree.map(
-      lambda x: x._replace(**fields) if _is_scale_state(x) else x, opt_state,
-      is_leaf=_is_scale_state,
+    lambda x: x._replace(**fields) if _is_scale_state(x) else x,
+    opt_state,
+    is_leaf=_is_scale_state,
   )
 
 
@@ -170,17 +171,20 @@ class OptaxDriver:
     self.opt_state = self.tx.init(self.params)
     if scenario.initial_tracker is not None:
       self.opt_state = jaxamp.load_state_dict(
-          self.opt_state,
-          _scaler_state_dict(
-              scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
-              scenario.initial_tracker,
-          ),
+        self.opt_state,
+        _scaler_state_dict(
+          scenario,
+          float(scenario.scaler.get("init_scale", 2.0**16)),
+          scenario.initial_tracker,
+        ),
       )
 
     def scaled_grads(params, opt_state, batch):
       loss_fn = _loss_fn(
-          scenario, pair, lambda: jaxamp.get_loss_scale(opt_state),
-          lambda loss: jaxamp.scale_loss(loss, opt_state),
+        scenario,
+        pair,
+        lambda: jaxamp.get_loss_scale(opt_state),
+        lambda loss: jaxamp.scale_loss(loss, opt_state),
       )
 
       def scaled_loss(p):
@@ -212,7 +216,7 @@ class OptaxDriver:
     # the inner update runs on the window's last.
     for micro in range(sc.accumulate):
       grads, loss = self._scaled_grads(
-          self.params, self.opt_state, self.pair.batch(step * sc.accumulate + micro)
+        self.params, self.opt_state, self.pair.batch(step * sc.accumulate + micro)
       )
       losses.append(float(loss))
       injections = sc.micro_inject.get((step, micro), ())
@@ -223,25 +227,25 @@ class OptaxDriver:
     new_scale = sc.new_scale.get(step)
     if new_scale is not None:
       self.opt_state = _replace_scale_state(
-          self.opt_state, loss_scale=jnp.asarray(np.float32(new_scale)),
-          growth_tracker=tracker_before,
+        self.opt_state,
+        loss_scale=jnp.asarray(np.float32(new_scale)),
+        growth_tracker=tracker_before,
       )
     state = jax.device_get(self._scale_state())
     found = [bool(state.found_inf)] * self.n_optimizers
     if self.n_optimizers > 1:  # param_labels: each group skips on its own leaves
       found = [
-          bool(state.found_inf) and any(
-              bool(flag) for flag, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == i
-          )
-          for i in range(self.n_optimizers)
+        bool(state.found_inf)
+        and any(bool(flag) for flag, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == i)
+        for i in range(self.n_optimizers)
       ]
     return {
-        "loss": float(np.mean(losses)),
-        "scale_used": scale_used,
-        "found": found,
-        "scale": np.asarray(state.loss_scale),
-        "tracker": int(state.growth_tracker),
-        "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": found,
+      "scale": np.asarray(state.loss_scale),
+      "tracker": int(state.growth_tracker),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
     }
 
   def unscale_torch_grads(self, scaled: dict, scale: np.float32):
@@ -259,9 +263,9 @@ class OptaxDriver:
     s = self.scenario.scaler
     hyper = {k: s[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in s}
     return {
-        "scaler": jaxamp.state_dict(self._scale_state(), **hyper),
-        "params": self.pair.to_torch_layout(jax.device_get(self.params)),
-        "optimizer": self.state(),
+      "scaler": jaxamp.state_dict(self._scale_state(), **hyper),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+      "optimizer": self.state(),
     }
 
   def resume(self, checkpoint: dict) -> None:
@@ -269,12 +273,10 @@ class OptaxDriver:
     params = self.pair.from_torch_layout(checkpoint["params"])
     fresh = self.tx.init(params)
     inner = jax_inner_state_from_torch(
-        _inner_tx(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
+      _inner_tx(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
     )
     self.params = params
-    self.opt_state = jaxamp.load_state_dict(
-        fresh._replace(inner_state=inner), checkpoint["scaler"]
-    )
+    self.opt_state = jaxamp.load_state_dict(fresh._replace(inner_state=inner), checkpoint["scaler"])
 
 
 class GradScalerDriver:
@@ -293,14 +295,17 @@ class GradScalerDriver:
     _nonfinite_only(scenario)
     self.scaler = jaxamp.GradScaler(**scenario.scaler, **scenario.jaxamp_options)
     if scenario.initial_tracker is not None:
-      self.scaler.load_state_dict(_scaler_state_dict(
-          scenario, float(scenario.scaler.get("init_scale", 2.0**16)),
+      self.scaler.load_state_dict(
+        _scaler_state_dict(
+          scenario,
+          float(scenario.scaler.get("init_scale", 2.0**16)),
           scenario.initial_tracker,
-      ))
+        )
+      )
     self.layouts = [NamedLayout(pair, owned(spec, pair)) for spec in scenario.optimizers]
     self.optimizers = [
-        jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
-        for spec, layout in zip(scenario.optimizers, self.layouts)
+      jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
+      for spec, layout in zip(scenario.optimizers, self.layouts)
     ]
 
     def scaled_grads(scaler, params, batch):
@@ -369,7 +374,7 @@ class GradScalerDriver:
     grads, losses = None, []
     for micro in range(sc.accumulate):
       grads, loss, self.scaler = self._scaled_grads(
-          self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
+        self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
       )
       losses.append(float(loss))
       injections = sc.micro_inject.get((step, micro), ())
@@ -383,22 +388,26 @@ class GradScalerDriver:
     new_scale = sc.new_scale.get(step)
     self._scaler_used = self.scaler  # the jitted iteration returns a new scaler
     late = tuple(
-        (name, self.pair.flax_position(name, index), value)
-        for name, index, value in sc.late_inject.get(step, ())
+      (name, self.pair.flax_position(name, index), value)
+      for name, index, value in sc.late_inject.get(step, ())
     )
     self.scaler, self.optimizers, found = self._iterate(
-        self.scaler, self.optimizers, grads, new_scale is None, late,
-        tuple(sc.unstepped.get(step, ())),
+      self.scaler,
+      self.optimizers,
+      grads,
+      new_scale is None,
+      late,
+      tuple(sc.unstepped.get(step, ())),
     )
     if new_scale is not None:
       self.scaler.update(new_scale=float(new_scale))
     return {
-        "loss": float(np.mean(losses)),
-        "scale_used": scale_used,
-        "found": [None if f is None else bool(f) for f in found],
-        "scale": np.float32(self.scaler.get_scale()),
-        "tracker": self.scaler._get_growth_tracker(),
-        "params": self._params_torch_layout(),
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": [None if f is None else bool(f) for f in found],
+      "scale": np.float32(self.scaler.get_scale()),
+      "tracker": self.scaler._get_growth_tracker(),
+      "params": self._params_torch_layout(),
     }
 
   def _params_torch_layout(self) -> dict:
@@ -436,9 +445,9 @@ class GradScalerDriver:
 
   def checkpoint(self) -> dict:
     return {
-        "scaler": self.scaler.state_dict(),
-        "params": self._params_torch_layout(),
-        "optimizer": self.state(),
+      "scaler": self.scaler.state_dict(),
+      "params": self._params_torch_layout(),
+      "optimizer": self.state(),
     }
 
   def resume(self, checkpoint: dict) -> None:

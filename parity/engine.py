@@ -27,12 +27,12 @@ import torch
 from parity import drivers
 from parity.models import Pair, to_torch_tensor
 from parity.optimizers import (
-    make_torch,
-    make_torch_scheduler,
-    owned,
-    schedule_mismatch,
-    step_torch_scheduler,
-    torch_state,
+  make_torch,
+  make_torch_scheduler,
+  owned,
+  schedule_mismatch,
+  step_torch_scheduler,
+  torch_state,
 )
 
 _MAX_FAILURES = 5
@@ -151,11 +151,11 @@ class TorchRun:
     self.scaler = torch.amp.GradScaler("cpu", **scenario.scaler)
     if scenario.initial_tracker is not None:
       self.scaler.load_state_dict(
-          {**_torch_hyper(scenario), "_growth_tracker": scenario.initial_tracker}
+        {**_torch_hyper(scenario), "_growth_tracker": scenario.initial_tracker}
       )
     self.optimizers = [make_torch(spec, pair) for spec in scenario.optimizers]
     self.schedulers = [
-        make_torch_scheduler(spec, opt) for spec, opt in zip(scenario.optimizers, self.optimizers)
+      make_torch_scheduler(spec, opt) for spec, opt in zip(scenario.optimizers, self.optimizers)
     ]
     self.named = dict(pair.torch_module.named_parameters())
 
@@ -224,14 +224,14 @@ class TorchRun:
       if scheduler is not None:
         step_torch_scheduler(scheduler)
     return {
-        "loss": float(np.mean(losses)),
-        "scale_used": scale_used,
-        "scaled": scaled,
-        "unscaled": unscaled,
-        "found": found,
-        "scale": _f32(scaler.get_scale()),
-        "tracker": scaler._get_growth_tracker(),
-        "params": self.pair.torch_arrays("data"),
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "scaled": scaled,
+      "unscaled": unscaled,
+      "found": found,
+      "scale": _f32(scaler.get_scale()),
+      "tracker": scaler._get_growth_tracker(),
+      "params": self.pair.torch_arrays("data"),
     }
 
   def _found_inf(self, opt) -> bool | None:
@@ -253,9 +253,9 @@ class TorchRun:
   def checkpoint(self) -> dict:
     """What a torch training script saves: scaler, model and optimizer states."""
     return {
-        "scaler": self.scaler.state_dict(),
-        "params": self.pair.torch_arrays("data"),
-        "optimizer": self.state(),
+      "scaler": self.scaler.state_dict(),
+      "params": self.pair.torch_arrays("data"),
+      "optimizer": self.state(),
     }
 
   def resume(self, checkpoint: dict) -> None:
@@ -275,10 +275,10 @@ class TorchRun:
 def _torch_hyper(scenario) -> dict:
   s = scenario.scaler
   return {
-      "scale": float(s.get("init_scale", 2.0**16)),
-      "growth_factor": s.get("growth_factor", 2.0),
-      "backoff_factor": s.get("backoff_factor", 0.5),
-      "growth_interval": s.get("growth_interval", 2000),
+    "scale": float(s.get("init_scale", 2.0**16)),
+    "growth_factor": s.get("growth_factor", 2.0),
+    "backoff_factor": s.get("backoff_factor", 0.5),
+    "growth_interval": s.get("growth_interval", 2000),
   }
 
 
@@ -312,7 +312,7 @@ def _explained_by_flush(jax_value, torch_value, scaled, scale) -> bool:
   jax_value, torch_value = np.asarray(jax_value), np.asarray(torch_value)
   if _bits(jax_value.astype(model.dtype)) != _bits(model):
     return False
-  same = (model.astype(np.float32).view(np.uint32) == torch_value.astype(np.float32).view(np.uint32))
+  same = model.astype(np.float32).view(np.uint32) == torch_value.astype(np.float32).view(np.uint32)
   return bool(np.all(same | involved))
 
 
@@ -359,12 +359,14 @@ def run(scenario, api: str) -> Result:
         if value is None or _bits(unscaled[name]) == _bits(value):
           continue
         if scenario.subnormals and _explained_by_flush(
-            unscaled[name], value, t["scaled"][name], t["scale_used"]
+          unscaled[name], value, t["scaled"][name], t["scale_used"]
         ):
-          result.flushed_elements += int(np.sum(
+          result.flushed_elements += int(
+            np.sum(
               np.asarray(unscaled[name], np.float32).view(np.uint32)
               != np.asarray(value, np.float32).view(np.uint32)
-          ))
+            )
+          )
           flushed.add(name)
           continue
         bits_ok = False

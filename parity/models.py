@@ -111,9 +111,9 @@ class NamedLayout:
 
   def to_torch_layout(self, tree: dict) -> dict[str, np.ndarray]:
     return {
-        n: _to_torch(np.asarray(tree[n]), self._kinds[n])
-        for n in self.names
-        if not isinstance(tree[n], optax.MaskedNode)
+      n: _to_torch(np.asarray(tree[n]), self._kinds[n])
+      for n in self.names
+      if not isinstance(tree[n], optax.MaskedNode)
     }
 
   def from_torch_layout(self, arrays: dict[str, Any]) -> dict:
@@ -246,8 +246,13 @@ def _mse_pair(name, sizes, seed, zero_loss=False):
     return jnp.mean((flax_module.apply(params, x) - y) ** 2) * factor
 
   return Pair(
-      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
-      _regression_batches(seed, sizes[0], sizes[-1]),
+    name,
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _regression_batches(seed, sizes[0], sizes[-1]),
   )
 
 
@@ -297,8 +302,13 @@ def _cross_entropy_pair(name, module, flax_module, layout, seed, image, compute_
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   return Pair(
-      name, module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
-      _digit_batches(seed, image=image),
+    name,
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _digit_batches(seed, image=image),
   )
 
 
@@ -308,7 +318,7 @@ def mlp_digits(seed: int = 2, compute_dtype: str = "float32") -> Pair:
   module = _torch_dense_stack((64, 32, 10))
   flax_module = _DenseStack((32, 10), dtype=jnp.dtype(compute_dtype))
   return _cross_entropy_pair(
-      "mlp_digits", module, flax_module, _dense_layout(2), seed, False, compute_dtype
+    "mlp_digits", module, flax_module, _dense_layout(2), seed, False, compute_dtype
   )
 
 
@@ -320,8 +330,7 @@ class _ConvNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = jnp.transpose(x, (0, 2, 3, 1)).astype(self.dtype)  # NCHW -> NHWC
-    x = nn.Conv(4, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=jnp.float32,
-                name="0")(x)
+    x = nn.Conv(4, (3, 3), padding="VALID", dtype=self.dtype, param_dtype=jnp.float32, name="0")(x)
     x = nn.relu(x)
     x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)  # torch's C,H,W order
     x = nn.Dense(10, dtype=self.dtype, param_dtype=jnp.float32, name="3")(x)
@@ -332,17 +341,16 @@ def cnn_digits(seed: int = 3, compute_dtype: str = "float32") -> Pair:
   """A small convolutional classifier on the 8x8 digits."""
   torch.manual_seed(seed)
   module = torch.nn.Sequential(
-      torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
   )
   layout = [
-      ("0.weight", ("params", "0", "kernel"), "conv"),
-      ("0.bias", ("params", "0", "bias"), "same"),
-      ("3.weight", ("params", "3", "kernel"), "dense"),
-      ("3.bias", ("params", "3", "bias"), "same"),
+    ("0.weight", ("params", "0", "kernel"), "conv"),
+    ("0.bias", ("params", "0", "bias"), "same"),
+    ("3.weight", ("params", "3", "kernel"), "dense"),
+    ("3.bias", ("params", "3", "bias"), "same"),
   ]
   flax_module = _ConvNet(dtype=jnp.dtype(compute_dtype))
-  return _cross_entropy_pair("cnn_digits", module, flax_module, layout, seed, True,
-                             compute_dtype)
+  return _cross_entropy_pair("cnn_digits", module, flax_module, layout, seed, True, compute_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,8 +370,8 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4, data_scale: fl
   ``w_k`` N(0, 1) times ``data_scale`` (rounded to float32)."""
   rng = np.random.default_rng(seed)
   init = {
-      name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
-      for name, dtype in dtypes.items()
+    name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
+    for name, dtype in dtypes.items()
   }
   module = _Vectors(init)
   layout = [(name, (name,), "same") for name in dtypes]
@@ -371,8 +379,8 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4, data_scale: fl
   def batch_at(step: int):
     r = np.random.default_rng([seed, step])
     return tuple(
-        (r.standard_normal(size) * data_scale).astype(np.float32).astype(jnp.dtype(dtypes[name]))
-        for name in dtypes
+      (r.standard_normal(size) * data_scale).astype(np.float32).astype(jnp.dtype(dtypes[name]))
+      for name in dtypes
     )
 
   def torch_loss(m, batch, autocast_dtype=None):
@@ -485,27 +493,37 @@ class _FlaxDecoder(nn.Module):
 
 def _decoder_layout(layers: int):
   layout = [
-      ("pos", ("params", "pos"), "same"),
-      ("embed.weight", ("params", "embed", "embedding"), "same"),
+    ("pos", ("params", "pos"), "same"),
+    ("embed.weight", ("params", "embed", "embedding"), "same"),
   ]
   for i in range(layers):
     block, path = f"blocks.{i}", ("params", f"blocks_{i}")
     for ln in ("ln1",):
-      layout += [(f"{block}.{ln}.weight", (*path, ln, "scale"), "same"),
-                 (f"{block}.{ln}.bias", (*path, ln, "bias"), "same")]
+      layout += [
+        (f"{block}.{ln}.weight", (*path, ln, "scale"), "same"),
+        (f"{block}.{ln}.bias", (*path, ln, "bias"), "same"),
+      ]
     for lin in ("q", "k", "v"):
       layout += [(f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense")]
-    layout += [(f"{block}.o.weight", (*path, "o", "kernel"), "dense"),
-               (f"{block}.o.bias", (*path, "o", "bias"), "same")]
-    layout += [(f"{block}.ln2.weight", (*path, "ln2", "scale"), "same"),
-               (f"{block}.ln2.bias", (*path, "ln2", "bias"), "same")]
+    layout += [
+      (f"{block}.o.weight", (*path, "o", "kernel"), "dense"),
+      (f"{block}.o.bias", (*path, "o", "bias"), "same"),
+    ]
+    layout += [
+      (f"{block}.ln2.weight", (*path, "ln2", "scale"), "same"),
+      (f"{block}.ln2.bias", (*path, "ln2", "bias"), "same"),
+    ]
     for lin in ("fc1", "fc2"):
-      layout += [(f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense"),
-                 (f"{block}.{lin}.bias", (*path, lin, "bias"), "same")]
-  layout += [("ln.weight", ("params", "ln", "scale"), "same"),
-             ("ln.bias", ("params", "ln", "bias"), "same"),
-             ("head.weight", ("params", "head", "kernel"), "dense"),
-             ("head.bias", ("params", "head", "bias"), "same")]
+      layout += [
+        (f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense"),
+        (f"{block}.{lin}.bias", (*path, lin, "bias"), "same"),
+      ]
+  layout += [
+    ("ln.weight", ("params", "ln", "scale"), "same"),
+    ("ln.bias", ("params", "ln", "bias"), "same"),
+    ("head.weight", ("params", "head", "kernel"), "dense"),
+    ("head.bias", ("params", "head", "bias"), "same"),
+  ]
   return layout
 
 
@@ -521,8 +539,16 @@ def _copy_batches(seed: int, vocab: int, seq: int, batch: int):
   return batch_at
 
 
-def transformer(seed: int = 5, vocab: int = 16, seq: int = 8, d: int = 32, heads: int = 4,
-                layers: int = 2, hidden: int = 64, batch: int = 16) -> Pair:
+def transformer(
+  seed: int = 5,
+  vocab: int = 16,
+  seq: int = 8,
+  d: int = 32,
+  heads: int = 4,
+  layers: int = 2,
+  hidden: int = 64,
+  batch: int = 16,
+) -> Pair:
   """A 2-layer decoder-only Transformer (d_model 32, 4 heads, pre-LN, causal
   self-attention, GELU MLP) predicting the next token of sequences whose second
   half copies the first. Float32 throughout."""
@@ -541,22 +567,27 @@ def transformer(seed: int = 5, vocab: int = 16, seq: int = 8, d: int = 32, heads
     x, y = batch
     logits = flax_module.apply(params, x)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.reshape(-1, vocab), y.reshape(-1)
+      logits.reshape(-1, vocab), y.reshape(-1)
     ).mean()
 
   return Pair(
-      "transformer", module, _copy_weights(module, layout), layout, torch_loss, jax_loss,
-      _copy_batches(seed, vocab, seq, batch),
+    "transformer",
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _copy_batches(seed, vocab, seq, batch),
   )
 
 
 MODELS = {
-    "linear10": linear10,
-    "two_layer": two_layer,
-    "mlp_digits": mlp_digits,
-    "cnn_digits": cnn_digits,
-    "vectors": vectors,
-    "transformer": transformer,
+  "linear10": linear10,
+  "two_layer": two_layer,
+  "mlp_digits": mlp_digits,
+  "cnn_digits": cnn_digits,
+  "vectors": vectors,
+  "transformer": transformer,
 }
 
 

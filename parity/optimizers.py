@@ -101,7 +101,7 @@ def make_torch_scheduler(spec: OptSpec, opt: torch.optim.Optimizer):
   if kind == "onecycle":
     total, max_lr, pct = args
     return torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=max_lr, total_steps=total, pct_start=pct
+      opt, max_lr=max_lr, total_steps=total, pct_start=pct
     )  # defaults: anneal_strategy="cos", div_factor 25, final_div_factor 1e4, cycle_momentum
   raise ValueError(kind)
 
@@ -141,9 +141,9 @@ def _onecycle(total: int, max_lr: float, pct: float):
   def anneal(count, up_values, down_values):
     step = count.astype(jnp.float32)
     return jnp.where(
-        step <= end_up,
-        _cos_anneal(*up_values, step, 0.0, end_up),
-        _cos_anneal(*down_values, step, end_up, end_down),
+      step <= end_up,
+      _cos_anneal(*up_values, step, 0.0, end_up),
+      _cos_anneal(*down_values, step, end_up, end_down),
     )
 
   def lr(count):
@@ -164,7 +164,7 @@ def jax_schedules(spec: OptSpec):
   if kind == "warmup":
     steps = args[0]
     return (
-        lambda count: spec.lr * jnp.minimum(1.0, (count.astype(jnp.float32) + 1.0) / steps)
+      lambda count: spec.lr * jnp.minimum(1.0, (count.astype(jnp.float32) + 1.0) / steps)
     ), None
   if kind == "onecycle":
     return _onecycle(*args)
@@ -222,7 +222,7 @@ def make_optax(specs: tuple[OptSpec, ...], pair: Pair) -> optax.GradientTransfor
     for name in owned(spec, pair):
       labels[name] = f"opt{i}"
   return optax.multi_transform(
-      {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
+    {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(specs)}, pair.tree_of(labels)
   )
 
 
@@ -251,8 +251,9 @@ def jax_state(inner_state: Any, pair: Pair) -> dict:
   :class:`~parity.models.Pair`, or a :class:`~parity.models.NamedLayout`.
   """
   nodes = [
-      n for n in jax.tree.leaves(jax.device_get(inner_state), is_leaf=_is_state_node)
-      if _is_state_node(n)
+    n
+    for n in jax.tree.leaves(jax.device_get(inner_state), is_leaf=_is_state_node)
+    if _is_state_node(n)
   ]
   out: dict[str, dict[str, np.ndarray]] = {}
   for node in nodes:
@@ -262,9 +263,7 @@ def jax_state(inner_state: Any, pair: Pair) -> dict:
       mu = pair.to_torch_layout(node.mu)
       out.setdefault("exp_avg", {}).update(mu)
       out.setdefault("exp_avg_sq", {}).update(pair.to_torch_layout(node.nu))
-      out.setdefault("step", {}).update(
-          {name: np.asarray(node.count, np.float32) for name in mu}
-      )
+      out.setdefault("step", {}).update({name: np.asarray(node.count, np.float32) for name in mu})
   return out
 
 
@@ -288,8 +287,8 @@ def load_torch_state(opt: torch.optim.Optimizer, pair: Pair, state: dict) -> Non
     if "momentum_buffer" in entry and not _torch_has_momentum(opt):
       continue
     loaded[i] = {
-        kind: torch.tensor(float(value)) if kind == "step" else to_torch_tensor(value)
-        for kind, value in entry.items()
+      kind: torch.tensor(float(value)) if kind == "step" else to_torch_tensor(value)
+      for kind, value in entry.items()
     }
   sd["state"] = loaded
   opt.load_state_dict(sd)
@@ -300,7 +299,7 @@ def _torch_has_momentum(opt: torch.optim.Optimizer) -> bool:
 
 
 def jax_inner_state_from_torch(
-    tx: optax.GradientTransformation, params: Any, pair: Pair, state: dict
+  tx: optax.GradientTransformation, params: Any, pair: Pair, state: dict
 ) -> Any:
   """An optax state for ``tx`` holding a :func:`torch_state` (resuming a torch run).
 
@@ -317,8 +316,9 @@ def jax_inner_state_from_torch(
       steps = {float(state.get("step", {}).get(n, 0.0)) for n in names}
       (count,) = steps  # one count per optimizer, as torch steps all its params together
       return node._replace(
-          count=np.asarray(count, np.int32), mu=mu,
-          nu=_fill_tree(node.nu, pair, state.get("exp_avg_sq", {})),
+        count=np.asarray(count, np.int32),
+        mu=mu,
+        nu=_fill_tree(node.nu, pair, state.get("exp_avg_sq", {})),
       )
     return node
 
@@ -330,9 +330,11 @@ def _fill_tree(tree: Any, pair: Pair, values: dict[str, np.ndarray]) -> Any:
   current = pair.to_torch_layout(tree)
   merged = {name: values.get(name, current.get(name)) for name in pair.names}
   filled = pair.from_torch_layout(
-      {n: (v if v is not None else np.zeros(1)) for n, v in merged.items()}
+    {n: (v if v is not None else np.zeros(1)) for n, v in merged.items()}
   )
   return jax.tree.map(
-      lambda old, new: old if isinstance(old, optax.MaskedNode) else new,
-      tree, filled, is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    lambda old, new: old if isinstance(old, optax.MaskedNode) else new,
+    tree,
+    filled,
+    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
   )

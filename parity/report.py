@@ -27,16 +27,34 @@ def _diff(value: float, tolerance: float) -> str:
 
 def table(results: list[Result]) -> str:
   """One row per run; the columns that must match exactly, then the tolerances."""
-  header = ("scenario", "api", "steps", "scale", "tracker", "skips", "unscale bits",
-            "param diff / tol", "state diff / tol", "verdict")
+  header = (
+    "scenario",
+    "api",
+    "steps",
+    "scale",
+    "tracker",
+    "skips",
+    "unscale bits",
+    "param diff / tol",
+    "state diff / tol",
+    "verdict",
+  )
   rows = [header]
   for r in results:
-    rows.append((
-        r.scenario, _API_NAMES[r.api], str(r.steps), _mark(r.scale_match),
-        _mark(r.tracker_match), _mark(r.skips_match), _unscale_mark(r),
-        _diff(r.max_param_diff, r.param_rtol), _diff(r.max_state_diff, r.state_rtol),
+    rows.append(
+      (
+        r.scenario,
+        _API_NAMES[r.api],
+        str(r.steps),
+        _mark(r.scale_match),
+        _mark(r.tracker_match),
+        _mark(r.skips_match),
+        _unscale_mark(r),
+        _diff(r.max_param_diff, r.param_rtol),
+        _diff(r.max_state_diff, r.state_rtol),
         "PASS" if r.passed else "FAIL",
-    ))
+      )
+    )
   widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
@@ -46,12 +64,12 @@ def table(results: list[Result]) -> str:
   flushed = [r for r in results if r.flushed_elements]
   if flushed:
     lines.append(
-        "* FTZ: XLA flushes float32 subnormals to zero, torch keeps them (a documented "
-        "divergence, README 'Exactness'). In these runs the unscaled gradients equal torch's "
-        "bit for bit except where a subnormal is involved, and there they equal torch's "
-        "arithmetic with flush-to-zero bit for bit; a parameter fed by flushed gradients may then differ from "
-        "torch's (not failed). Flushed elements: "
-        + ", ".join(f"{r.scenario} [{_API_NAMES[r.api]}] {r.flushed_elements}" for r in flushed)
+      "* FTZ: XLA flushes float32 subnormals to zero, torch keeps them (a documented "
+      "divergence, README 'Exactness'). In these runs the unscaled gradients equal torch's "
+      "bit for bit except where a subnormal is involved, and there they equal torch's "
+      "arithmetic with flush-to-zero bit for bit; a parameter fed by flushed gradients may then differ from "
+      "torch's (not failed). Flushed elements: "
+      + ", ".join(f"{r.scenario} [{_API_NAMES[r.api]}] {r.flushed_elements}" for r in flushed)
     )
   for r in failed:
     lines.append(f"FAIL {r.scenario} [{_API_NAMES[r.api]}]:")
@@ -64,29 +82,29 @@ def to_json(results: list[Result]) -> dict:
     return x if math.isfinite(x) else str(x)
 
   return {
-      "passed": all(r.passed for r in results),
-      "runs": [
-          {
-              "scenario": r.scenario,
-              "api": r.api,
-              "steps": r.steps,
-              "passed": r.passed,
-              "scale_match": r.scale_match,
-              "tracker_match": r.tracker_match,
-              "skips_match": r.skips_match,
-              "unscale_bits_match": r.unscale_bits_match,
-              "max_param_diff": finite(r.max_param_diff),
-              "param_rtol": r.param_rtol,
-              "max_state_diff": finite(r.max_state_diff),
-              "state_rtol": r.state_rtol,
-              "skipped_steps": r.skipped_steps,
-              "flushed_elements": r.flushed_elements,
-              "seconds": round(r.seconds, 3),
-              "failures": r.failures,
-              "curves": {k: [finite(v) for v in vs] for k, vs in r.curves.items()},
-          }
-          for r in results
-      ],
+    "passed": all(r.passed for r in results),
+    "runs": [
+      {
+        "scenario": r.scenario,
+        "api": r.api,
+        "steps": r.steps,
+        "passed": r.passed,
+        "scale_match": r.scale_match,
+        "tracker_match": r.tracker_match,
+        "skips_match": r.skips_match,
+        "unscale_bits_match": r.unscale_bits_match,
+        "max_param_diff": finite(r.max_param_diff),
+        "param_rtol": r.param_rtol,
+        "max_state_diff": finite(r.max_state_diff),
+        "state_rtol": r.state_rtol,
+        "skipped_steps": r.skipped_steps,
+        "flushed_elements": r.flushed_elements,
+        "seconds": round(r.seconds, 3),
+        "failures": r.failures,
+        "curves": {k: [finite(v) for v in vs] for k, vs in r.curves.items()},
+      }
+      for r in results
+    ],
   }
 
 
@@ -109,12 +127,14 @@ def write_png(results: list[Result], plotted: set[str], path: pathlib.Path) -> N
   for row, name in zip(axes, names):
     runs = [r for r in results if r.scenario == name]
     for ax, key, label in ((row[0], "scale", "loss scale"), (row[1], "loss", "loss")):
-      ax.plot(runs[0].curves[f"torch_{key}"], "-", color="tab:blue", lw=2.5, alpha=0.6,
-              label="torch")
+      ax.plot(
+        runs[0].curves[f"torch_{key}"], "-", color="tab:blue", lw=2.5, alpha=0.6, label="torch"
+      )
       for r in runs:
         style, color = styles[r.api]
-        ax.plot(r.curves[f"jax_{key}"], style, color=color, lw=1.5,
-                label=f"jaxamp {_API_NAMES[r.api]}")
+        ax.plot(
+          r.curves[f"jax_{key}"], style, color=color, lw=1.5, label=f"jaxamp {_API_NAMES[r.api]}"
+        )
       ax.set_yscale("log")
       ax.set_title(f"{name}: {label}")
       ax.set_xlabel("step")
