@@ -24,7 +24,9 @@ from jaxamp._unscale import leaf_finite_flags
 
 
 def sum_times_zero(leaves):
-  return jnp.stack([jnp.isfinite(jnp.sum(g * jnp.zeros([], g.dtype), dtype=jnp.float32)) for g in leaves])
+  return jnp.stack(
+    [jnp.isfinite(jnp.sum(g * jnp.zeros([], g.dtype), dtype=jnp.float32)) for g in leaves]
+  )
 
 
 def all_isfinite(leaves):
@@ -35,7 +37,9 @@ FORMS = {"jaxamp": leaf_finite_flags, "sum(g*0)": sum_times_zero, "all(isfinite)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
   parser.add_argument("--params", type=int, default=25_000_000)
   parser.add_argument("--leaves", type=int, default=200)
   parser.add_argument("--repeats", type=int, default=20)
@@ -52,7 +56,10 @@ def main():
       for name, form in FORMS.items():
         start = time.perf_counter()
         compiled[name] = jax.jit(form).lower(leaves).compile()
-        rows[name] = [time.perf_counter() - start, compiled[name].memory_analysis().temp_size_in_bytes]
+        rows[name] = [
+          time.perf_counter() - start,
+          compiled[name].memory_analysis().temp_size_in_bytes,
+        ]
         assert bool(jnp.all(compiled[name](leaves))), name
       times = {name: [] for name in compiled}
       for _ in range(args.repeats + 1):  # interleaved; the first is warm-up
@@ -62,8 +69,10 @@ def main():
           times[name].append(time.perf_counter() - start)
       for name, (compile_s, temp) in rows.items():
         ms = statistics.median(times[name][1:]) * 1e3
-        print(f"| {layout} | {jnp.dtype(dtype).name} | {name} | {ms:.2f} | {compile_s:.2f} | {temp / 1e6:.2f} |",
-              flush=True)
+        print(
+          f"| {layout} | {jnp.dtype(dtype).name} | {name} | {ms:.2f} | {compile_s:.2f} | {temp / 1e6:.2f} |",
+          flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def loss_fn(params, x, y):
 def main():
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {
-      "l1": {"w": jax.random.normal(k1, (10, 10)) / 3, "b": jnp.zeros(10)},
-      "l2": {"w": jax.random.normal(k2, (10, 10)) / 3, "b": jnp.zeros(10)},
+    "l1": {"w": jax.random.normal(k1, (10, 10)) / 3, "b": jnp.zeros(10)},
+    "l2": {"w": jax.random.normal(k2, (10, 10)) / 3, "b": jnp.zeros(10)},
   }
   x, y = jnp.ones((4, 10)), jnp.zeros((4, 10))
   scaler, opt = jaxamp.GradScaler(), jaxamp.Optimizer(optax.adam(1e-3), params)
@@ -52,7 +52,10 @@ def main():
     updates, state[0] = tx.update(grads, state[0], params)
     jax.block_until_ready(updates)
 
-  for name, run in [("GradScaler iteration", grad_scaler_iteration), ("dynamic_loss_scale update", optax_update)]:
+  for name, run in [
+    ("GradScaler iteration", grad_scaler_iteration),
+    ("dynamic_loss_scale update", optax_update),
+  ]:
     for _ in range(3):
       run()
     times = []

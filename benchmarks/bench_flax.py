@@ -46,7 +46,7 @@ def _arrays(n_params, n_leaves, seed, scale=1.0):
 
 def train_state_runner(tx, params, fast):
   state = train_state.TrainState.create(
-      apply_fn=None, params=[jnp.asarray(p) for p in params], tx=tx
+    apply_fn=None, params=[jnp.asarray(p) for p in params], tx=tx
   ).replace(step=jnp.int32(0))
   if fast:
     update = lambda s, g: flax_utils.apply_gradients(s, grads=g)
@@ -79,7 +79,9 @@ def nnx_runner(tx, params, fast):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
   parser.add_argument("--params", type=int, default=25_000_000)
   parser.add_argument("--leaves", type=int, default=200)
   parser.add_argument("--repeats", type=int, default=15)
@@ -89,13 +91,13 @@ def main():
   skipped = [a.copy() for a in finite]
   skipped[args.leaves // 2][0, 7] = np.inf
   grad_sets = {
-      "ts": [[jnp.asarray(a) for a in g] for g in (finite, skipped)],
-      "nnx": [Weights(g) for g in (finite, skipped)],
+    "ts": [[jnp.asarray(a) for a in g] for g in (finite, skipped)],
+    "nnx": [Weights(g) for g in (finite, skipped)],
   }
   runners = {}
   for api, make in (("ts", train_state_runner), ("nnx", nnx_runner)):
     for opt in ("adam", "jaxamp"):
-      for fast in ((False,) if opt == "adam" else (False, True)):
+      for fast in (False,) if opt == "adam" else (False, True):
         tx = optax.adam(1e-3)
         if opt == "jaxamp":
           tx = jaxamp.dynamic_loss_scale(tx, init_scale=2.0**16)
@@ -104,7 +106,7 @@ def main():
         start = time.perf_counter()
         run(grad_sets[api][0])  # compiles
         print(f"  {name} {opt}: first call {time.perf_counter() - start:.1f} s", flush=True)
-        for which in ((0,) if opt == "adam" else (0, 1)):
+        for which in (0,) if opt == "adam" else (0, 1):
           runners[(name, opt, which)] = (run, grad_sets[api][which])
   times = {key: [] for key in runners}
   for _ in range(args.repeats + 2):  # the first two are warm-up
@@ -112,16 +114,20 @@ def main():
       start = time.perf_counter()
       run(grads)
       times[key].append(time.perf_counter() - start)
-  print(f"\n{args.params:,} float32 params in {args.leaves} leaves, {args.repeats} repeats, "
-        f"jax {jax.__version__}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}\n")
+  print(
+    f"\n{args.params:,} float32 params in {args.leaves} leaves, {args.repeats} repeats, "
+    f"jax {jax.__version__}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}\n"
+  )
   print("| update | optimizer | step | median ms | p10-p90 ms | / same API with adam |")
   print("|---|---|---|---:|---:|---:|")
   for (name, opt, which), ts in times.items():
     ms = np.asarray(ts[2:]) * 1e3
     base = statistics.median(times[(name.removesuffix("_fast"), "adam", 0)][2:]) * 1e3
     med = float(np.median(ms))
-    print(f"| {name} | {opt} | {'skip' if which else 'finite'} | {med:.1f} | "
-          f"{np.percentile(ms, 10):.1f}-{np.percentile(ms, 90):.1f} | {med / base:.2f} |")
+    print(
+      f"| {name} | {opt} | {'skip' if which else 'finite'} | {med:.1f} | "
+      f"{np.percentile(ms, 10):.1f}-{np.percentile(ms, 90):.1f} | {med / base:.2f} |"
+    )
 
 
 if __name__ == "__main__":

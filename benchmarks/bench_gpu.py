@@ -19,16 +19,34 @@ smoke test there: the CPU numbers are not the point).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
 
 # Peak memory bandwidth in GB/s by ``device_kind`` substring (vendor figures).
 PEAK_GBPS = {
-    "H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350,
-    "A100-SXM4-80GB": 2039, "A100 80GB": 1935, "A100": 1555, "L40S": 864,
-    "L4": 300, "A10G": 600, "V100": 900, "T4": 320, "RTX 4090": 1008,
+  "H200": 4800,
+  "H100 SXM": 3350,
+  "H100 PCIe": 2000,
+  "H100": 3350,
+  "A100-SXM4-80GB": 2039,
+  "A100 80GB": 1935,
+  "A100": 1555,
+  "L40S": 864,
+  "L4": 300,
+  "A10G": 600,
+  "V100": 900,
+  "T4": 320,
+  "RTX 4090": 1008,
 }
+
+
+def _ready(fn, *args):
+  """``fn(*args)``, waited for (a benchmark callable)."""
+  import jax  # imported late, as in main(): after the platform is chosen
+
+  return jax.block_until_ready(fn(*args))
 
 
 def peak_for(kind: str, given: float | None) -> float | None:
@@ -53,7 +71,9 @@ def median_time(fn, repeats, inner):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
   parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
   parser.add_argument("--params", type=int, default=None, help="default 250M on GPU, 1M on CPU")
   parser.add_argument("--leaves", type=int, default=200)
@@ -76,8 +96,10 @@ def main():
   device = jax.devices(args.device)[0]
   kind = getattr(device, "device_kind", str(device))
   peak = peak_for(kind, args.peak_gbps)
-  print(f"# {kind} ({device.platform}), peak {peak or '?'} GB/s, {n_params:,} params in "
-        f"{args.leaves} leaves, median of {args.repeats} x {inner} calls")
+  print(
+    f"# {kind} ({device.platform}), peak {peak or '?'} GB/s, {n_params:,} params in "
+    f"{args.leaves} leaves, median of {args.repeats} x {inner} calls"
+  )
   print("| dtype | pass | median ms | min-max ms | GB/s | % of peak |")
   print("|---|---|---:|---:|---:|---:|")
   per_leaf = n_params // args.leaves
@@ -88,14 +110,14 @@ def main():
     dtype = dtypes[name]
     key = jax.random.key(0)
     grads = [
-        jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (per_leaf,), dtype), device)
-        for i in range(args.leaves)
+      jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (per_leaf,), dtype), device)
+      for i in range(args.leaves)
     ]
     scale = jax.device_put(jnp.float32(65536.0), device)
     nbytes = sum(g.nbytes for g in grads)
     rows = [
-        ("jaxamp unscale+check", 2, lambda: jax.block_until_ready(unscale(grads, scale))),
-        ("jaxamp check only", 1, lambda: jax.block_until_ready(check(grads))),
+      ("jaxamp unscale+check", 2, functools.partial(_ready, unscale, grads, scale)),
+      ("jaxamp check only", 1, functools.partial(_ready, check, grads)),
     ]
     if not args.no_torch:
       import torch
@@ -106,7 +128,7 @@ def main():
       found = torch.zeros(1, device=tdev)
       inv = torch.full((1,), 1.0 / 65536.0, device=tdev)
 
-      def torch_pass():
+      def torch_pass(tgrads=tgrads, found=found, inv=inv, tdev=tdev):
         torch._amp_foreach_non_finite_check_and_unscale_(tgrads, found, inv)
         if tdev == "cuda":
           torch.cuda.synchronize()
@@ -118,8 +140,11 @@ def main():
       results[label] = med
       gbps = passes * nbytes / med / 1e9
       share = f"{100 * gbps / peak:.0f}%" if peak else "?"
-      print(f"| {name} | {label} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} "
-            f"| {gbps:.0f} | {share} |", flush=True)
+      print(
+        f"| {name} | {label} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} "
+        f"| {gbps:.0f} | {share} |",
+        flush=True,
+      )
     torch_label = "torch _amp_foreach_..._unscale_"
     if torch_label in results:
       ratio = results["jaxamp unscale+check"] / results[torch_label]

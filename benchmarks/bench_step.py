@@ -52,8 +52,16 @@ import jaxamp
 
 SIZES = {"1m/4": (1_000_000, 4), "25m/200": (25_000_000, 200), "25m/2000": (25_000_000, 2000)}
 ALL = [
-    "adam", "jaxamp", "jaxamp_step", "adam_flat", "jaxamp_flat",
-    "flax", "jmp", "apply_if_finite", "torch_foreach", "torch_fused",
+  "adam",
+  "jaxamp",
+  "jaxamp_step",
+  "adam_flat",
+  "jaxamp_flat",
+  "flax",
+  "jmp",
+  "apply_if_finite",
+  "torch_foreach",
+  "torch_fused",
 ]
 SLOW_AT_MANY_LEAVES = {"flax", "jmp", "apply_if_finite"}
 SCALE = 2.0**16
@@ -64,8 +72,8 @@ def make_tree(n_params, n_leaves, dtype, seed, scale=1.0):
   per_leaf = n_params // n_leaves
   rng = np.random.default_rng(seed)
   return [
-      (rng.standard_normal((per_leaf // 250, 250), np.float32) * scale).astype(dtype)
-      for _ in range(n_leaves)
+    (rng.standard_normal((per_leaf // 250, 250), np.float32) * scale).astype(dtype)
+    for _ in range(n_leaves)
   ]
 
 
@@ -90,17 +98,16 @@ def _flax_step(grads, state, params, tx):
   for g in jax.tree.leaves(grads):
     finite &= jnp.all(jax.lax.is_finite(g))
   grow = fin_steps == 2000
-  fin_scale = jnp.where(
-      grow & finite, jnp.minimum(scale * 2.0, jnp.finfo(jnp.float32).max), scale
-  )
+  fin_scale = jnp.where(grow & finite, jnp.minimum(scale * 2.0, jnp.finfo(jnp.float32).max), scale)
   new_scale = jnp.where(finite, fin_scale, scale * 0.5)
   new_fin_steps = jnp.where(grow | (~finite), 0, fin_steps + 1)
   updates, opt_state = tx.update(grads, state["opt"], params)
   new_params = optax.apply_updates(params, updates)
   select = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
   return select(new_params, params), {
-      "scale": new_scale, "fin_steps": new_fin_steps,
-      "opt": select(opt_state, state["opt"]),
+    "scale": new_scale,
+    "fin_steps": new_fin_steps,
+    "opt": select(opt_state, state["opt"]),
   }
 
 
@@ -243,7 +250,9 @@ def run_config(size, grad_dtype, contenders, repeats, budget):
       spread = (float(np.percentile(ts, 10)), float(np.percentile(ts, 90)))
       compile_s = None if name.startswith("torch") else runners[name][4]
       ratio = med / (base * 1e3) if base else None
-      table.append((size, grad_dtype, name, "skip" if which else "finite", med, spread, ratio, compile_s))
+      table.append(
+        (size, grad_dtype, name, "skip" if which else "finite", med, spread, ratio, compile_s)
+      )
   del runners
   return table
 
@@ -257,16 +266,20 @@ def print_table(table):
       continue
     comp = "" if extra is None else f"{extra:.1f}"
     print(
-        f"| {size} | {dt} | {name} | {which} | {med:.1f} | {spread[0]:.1f}-{spread[1]:.1f} "
-        f"| {ratio:.2f} | {comp} |"
+      f"| {size} | {dt} | {name} | {which} | {med:.1f} | {spread[0]:.1f}-{spread[1]:.1f} "
+      f"| {ratio:.2f} | {comp} |"
     )
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
   parser.add_argument("--sizes", default="1m/4,25m/200,25m/2000")
   parser.add_argument("--grads", default="f32,f16")
-  parser.add_argument("--contenders", default=None, help="default: all (slow ones not at 2000 leaves)")
+  parser.add_argument(
+    "--contenders", default=None, help="default: all (slow ones not at 2000 leaves)"
+  )
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--compile-budget", type=float, default=300.0)
   parser.add_argument("--quick", action="store_true", help="1m/4 only, f32 and f16, 5 repeats")
@@ -274,10 +287,10 @@ def main():
   if args.quick:
     args.sizes, args.repeats = "1m/4", 5
   print(
-      f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, "
-      f"jax {jax.__version__}, optax {optax.__version__}, repeats {args.repeats}, "
-      f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}",
-      flush=True,
+    f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, "
+    f"jax {jax.__version__}, optax {optax.__version__}, repeats {args.repeats}, "
+    f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}",
+    flush=True,
   )
   table = []
   for size in args.sizes.split(","):

@@ -17,7 +17,7 @@ from jaxamp._train_step import apply_scaled_updates
 from jaxamp._transform import DynamicLossScaleState, dynamic_loss_scale
 from jaxamp._unscale import inverse_scale, unscale_and_check
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
   "AccumulateGradientsState",

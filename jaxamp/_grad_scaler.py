@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -67,6 +68,7 @@ class _Unset:
 
 
 _UNSET = _Unset()
+_OWNER_LOCK = threading.Lock()
 _DISABLED = LossScaleConfig(
   enabled=False, growth_factor=_UNSET, backoff_factor=_UNSET, growth_interval=_UNSET
 )
@@ -222,9 +224,40 @@ class GradScaler:
 
   # -- the iteration --------------------------------------------------------------
 
+  def _claim(self, funcname: str) -> None:
+    """Refuses a second thread inside one iteration (``scale`` to ``update``):
+    torch's iteration spans several calls and ``update`` consumes every
+    optimizer's flags, so interleaved threads would mix their iterations."""
+    me = threading.get_ident()
+    with _OWNER_LOCK:
+      owner = self.__dict__.setdefault("_owner", me)
+    if owner != me:
+      raise RuntimeError(
+        f"jaxamp.GradScaler is being used from two threads: {funcname}() called from "
+        f"thread {me} while thread {owner} is in an iteration. Give each thread its "
+        "own scaler (torch's GradScaler is not thread-safe either)."
+      )
+
+  def _release(self) -> None:
+    self.__dict__.pop("_owner", None)
+
   def _check_scaled(self, funcname: str) -> None:
     if not self._scaled:
       raise RuntimeError(_NOT_SCALED.format(funcname))
+
+  def _check_not_captured(self, funcname: str, values: Any) -> None:
+    """Raises if ``values`` are traced by ``jit`` but this scaler is not: it was
+    captured from outside the jitted function, where the scale is a frozen
+    constant and ``update`` would leak a tracer into the Python object."""
+    if isinstance(self._core.loss_scale, jax.core.Tracer):
+      return
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+      raise RuntimeError(
+        f"jaxamp: GradScaler.{funcname}() ran inside a traced function on a scaler "
+        "captured from outside it, whose scale would stay frozen. Pass the scaler "
+        "to the jitted function as an argument and return it (as the optimizers). "
+        "Nothing was changed."
+      )
 
   def scale(self, outputs: Any) -> Any:
     """Multiplies ``outputs`` (an array, or nested lists/tuples of arrays) by the scale.
@@ -244,6 +277,7 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
+    self._claim("scale")
     found_array = False
 
     def apply(value):
@@ -296,7 +330,9 @@ class GradScaler:
     if not self._enabled:
       return
     key = _key_of(optimizer)
+    self._claim("unscale_")
     self._check_scaled("unscale_")
+    self._check_not_captured("unscale_", optimizer.grads)
     stage = self._states.get(key, _Record(_Stage.READY, None)).stage
     if stage is _Stage.UNSCALED:
       raise RuntimeError(_UNSCALE_TWICE)
@@ -326,7 +362,9 @@ class GradScaler:
     if "closure" in extra_args:
       raise RuntimeError(_CLOSURE)
     key = _key_of(optimizer)
+    self._claim("step")
     self._check_scaled("step")
+    self._check_not_captured("step", (optimizer.grads, optimizer.params))
     record = self._states.get(key, _Record(_Stage.READY, None))
     if record.stage is _Stage.STEPPED:
       raise RuntimeError(_STEP_TWICE)
@@ -367,10 +405,13 @@ class GradScaler:
     """
     if not self._enabled:
       return
+    self._claim("update")
     self._check_scaled("update")
+    self._check_not_captured("update", ([r.found_inf for r in self._states.values()], new_scale))
     if new_scale is not None:
       self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
       self._states = {}
+      self._release()
       return
     found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]
     if not found_infs:
@@ -378,6 +419,7 @@ class GradScaler:
     found_inf = functools.reduce(jnp.logical_or, found_infs)
     self._core = call_compiled(_advance, self._config, self._core, found_inf)
     self._states = {}
+    self._release()
 
   # -- the core's arrays (no host read) and diagnostics (not in torch) ---------------
 

@@ -795,3 +795,34 @@ def test_grad_scaler_step_forwards_extra_args_arrays_and_callables(hashable):
     scaler.step(opt, **kwargs)
     scaler.update()
     assert opt.params["w"].tolist() == [expected, expected]
+
+
+@pytest.mark.parametrize("method", ["unscale_", "step", "update"])
+def test_grad_scaler_captured_by_a_jitted_function_raises_and_changes_nothing(method):
+  # Captured (not passed in and returned), its scale would be a frozen
+  # constant and update() would leak a tracer into the Python object.
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  scaler.scale(jnp.float32(1.0))
+  opt = jaxamp.Optimizer(optax.sgd(0.1), {"w": jnp.ones(2)})
+  if method == "update":
+    opt.grads = {"w": jnp.ones(2)}
+    scaler.step(opt)
+  before = (scaler.state_dict(), dict(scaler._states), bits(scaler))
+
+  @jax.jit
+  def iteration(opt, grads):
+    opt.grads = grads
+    if method == "update":
+      scaler.update(new_scale=grads["w"][0])
+    else:
+      getattr(scaler, method)(opt)
+    return opt
+
+  with pytest.raises(RuntimeError) as info:
+    iteration(opt, {"w": jnp.array([1.0, jnp.inf])})
+  assert (
+    str(info.value)
+    .splitlines()[0]
+    .startswith(f"jaxamp: GradScaler.{method}() ran inside a traced function on a scaler captured")
+  )
+  assert (scaler.state_dict(), dict(scaler._states), bits(scaler)) == before
