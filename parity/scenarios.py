@@ -303,8 +303,9 @@ SCENARIOS: list[Scenario] = [
   ),
   Scenario(
     "linear_grad_accumulation",
-    "docs/torch_semantics.md §6.32: two scaled backward passes per step add up before one unscale/step; "
-    "inf injected into the summed gradient at step 3.",
+    "docs/torch_semantics.md §6.32: two scaled backward passes per step add up before one unscale/step "
+    "(jaxamp.accumulate_gradients, Optimizer.accumulate); inf written after the second "
+    "backward at step 3.",
     models.linear10,
     steps=8,
     scaler=_factors(4.0, 2.0, 0.5, 2),
