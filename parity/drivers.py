@@ -30,6 +30,51 @@ from parity.optimizers import (
 )
 
 
+def _nonfinite_only(scenario) -> None:
+  """With accumulation, injections go into one micro-batch's gradients, which are
+  then summed: the same as torch's write into ``.grad`` only for inf/NaN."""
+  if scenario.accumulate == 1:
+    return
+  groups = [*scenario.inject.values(), *scenario.micro_inject.values()]
+  if any(np.isfinite(value) for group in groups for _, _, value in group):
+    raise ValueError(f"{scenario.name}: with accumulation only inf/NaN can be injected")
+
+
+def _loss_fn(scenario, pair: Pair, scale_of, scale_loss):
+  """The loss a step differentiates, as the torch side builds it: divided by
+  ``accumulate`` if asked, plus torch's gradient penalty if asked.
+
+  ``scale_of()`` is the scale (``jaxamp.get_loss_scale(state)`` or, inside
+  ``jit``, ``scaler.get_scale()``) and ``scale_loss(loss)`` multiplies by it.
+  """
+  divisor = scenario.accumulate if scenario.divide_loss else 1
+
+  def plain(params, batch):
+    loss = pair.jax_loss(params, batch)
+    return loss / divisor if divisor != 1 else loss
+
+  if not scenario.grad_penalty:
+    return plain
+
+  def with_penalty(params, batch):
+    loss = plain(params, batch)
+    scaled_grad_params = jax.grad(lambda p: scale_loss(plain(p, batch)))(params)
+    inv_scale = 1.0 / scale_of()
+    grad_params = [_leaf(scaled_grad_params, path) * inv_scale for _, path, _ in pair.layout]
+    grad_norm = 0
+    for grad in grad_params:  # torch's order: model.parameters()
+      grad_norm = grad_norm + jnp.sum(grad**2)
+    return loss + jnp.sqrt(grad_norm)
+
+  return with_penalty
+
+
+def _leaf(tree: Any, path) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
 def _inject(pair: Pair, grads: Any, injections) -> Any:
   """``grads`` with the scripted values written at torch-layout positions."""
   if not injections:
@@ -53,12 +98,49 @@ def _scaler_state_dict(scenario, scale: float, tracker: int) -> dict:
   }
 
 
-def _inner(scenario, pair: Pair) -> optax.GradientTransformation:
+def _labels(scenario, pair: Pair) -> Any:
+  """A params-shaped tree of labels ``opt<i>``, one per torch optimizer."""
+  labels = {}
+  for i, spec in enumerate(scenario.optimizers):
+    for name in owned(spec, pair):
+      labels[name] = f"opt{i}"
+  return pair.tree_of(labels)
+
+
+def _inner(scenario, pair: Pair) -> tuple[Any, Any]:
+  """What the wrapper wraps, and its ``param_labels``: one transformation, or,
+  for several torch optimizers, ``{label: tx}`` with the labels (torch's
+  per-optimizer skip)."""
+  if len(scenario.optimizers) > 1:
+    if scenario.clip is not None:
+      raise ValueError(f"{scenario.name}: clipping with several optimizers is not paired")
+    groups = {f"opt{i}": make_single_optax(spec) for i, spec in enumerate(scenario.optimizers)}
+    return groups, _labels(scenario, pair)
   inner = make_optax(scenario.optimizers, pair)
   if scenario.clip is not None:
     # torch.nn.utils.clip_grad_norm_ after unscale_: clipping sees unscaled grads.
-    inner = optax.chain(optax.clip_by_global_norm(scenario.clip), inner)
-  return inner
+    clip = jaxamp.clip_by_torch_norm if scenario.clip_torch else optax.clip_by_global_norm
+    inner = optax.chain(clip(scenario.clip), inner)
+  return inner, None
+
+
+def _inner_tx(scenario, pair: Pair) -> optax.GradientTransformation:
+  """The transformation whose state is the wrapper's ``inner_state``."""
+  inner, labels = _inner(scenario, pair)
+  return inner if labels is None else optax.multi_transform(inner, labels)
+
+
+def _is_scale_state(x: Any) -> bool:
+  return isinstance(x, jaxamp.DynamicLossScaleState)
+
+
+def _replace_scale_state(opt_state: Any, **fields) -> Any:
+  """``opt_state`` with fields of its ``DynamicLossScaleState`` replaced."""
+  return jax.tree.map(
+    lambda x: x._replace(**fields) if _is_scale_state(x) else x,
+    opt_state,
+    is_leaf=_is_scale_state,
+  )
 
 
 class OptaxDriver:
@@ -71,8 +153,20 @@ class OptaxDriver:
 
   def __init__(self, scenario, pair: Pair):
     self.scenario, self.pair = scenario, pair
+    _nonfinite_only(scenario)
     self.n_optimizers = len(scenario.optimizers)
-    self.tx = jaxamp.dynamic_loss_scale(_inner(scenario, pair), **scenario.scaler)
+    inner, labels = _inner(scenario, pair)
+    options = dict(scenario.jaxamp_options)
+    if labels is not None:
+      options["param_labels"] = labels
+    self.tx = jaxamp.dynamic_loss_scale(inner, **scenario.scaler, **options)
+    if scenario.accumulate > 1:  # torch's .grad accumulation, one scale update per window
+      if scenario.resume is not None:
+        raise ValueError(f"{scenario.name}: resuming with accumulation is not paired")
+      self.tx = jaxamp.accumulate_gradients(self.tx, scenario.accumulate)
+    # Which optimizer each gradient leaf belongs to (jax.tree.leaves order).
+    owner = {n: i for i, spec in enumerate(scenario.optimizers) for n in owned(spec, pair)}
+    self._leaf_owner = [owner[n] for n in jax.tree.leaves(pair.tree_of({n: n for n in owner}))]
     self.params = pair.params
     self.opt_state = self.tx.init(self.params)
     if scenario.initial_tracker is not None:
@@ -84,9 +178,15 @@ class OptaxDriver:
           scenario.initial_tracker,
         ),
       )
-    loss_fn = pair.jax_loss
 
     def scaled_grads(params, opt_state, batch):
+      loss_fn = _loss_fn(
+        scenario,
+        pair,
+        lambda: jaxamp.get_loss_scale(opt_state),
+        lambda loss: jaxamp.scale_loss(loss, opt_state),
+      )
+
       def scaled_loss(p):
         loss = loss_fn(p, batch)
         return jaxamp.scale_loss(loss, opt_state), loss
@@ -95,6 +195,8 @@ class OptaxDriver:
       return grads, loss
 
     def apply(grads, opt_state, params):
+      if scenario.accumulate > 1:  # jaxamp's fast path for accumulation
+        return jaxamp.apply_scaled_updates(self.tx, grads, opt_state, params)
       updates, opt_state = self.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
@@ -102,29 +204,45 @@ class OptaxDriver:
     self._apply = jax.jit(apply)
     self._unscale = jax.jit(jaxamp.unscale_and_check)
 
+  def _scale_state(self) -> jaxamp.DynamicLossScaleState:
+    return jaxamp.find_loss_scale_state(self.opt_state)
+
   def step(self, step: int) -> dict[str, Any]:
     sc = self.scenario
     scale_used = np.asarray(jaxamp.get_loss_scale(self.opt_state))
-    grads, losses = None, []
+    tracker_before = self._scale_state().growth_tracker
+    losses = []
+    # One call of the transformation per micro-batch; with accumulate_gradients
+    # the inner update runs on the window's last.
     for micro in range(sc.accumulate):
-      g, loss = self._scaled_grads(
+      grads, loss = self._scaled_grads(
         self.params, self.opt_state, self.pair.batch(step * sc.accumulate + micro)
       )
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       losses.append(float(loss))
-    grads = _inject(self.pair, grads, sc.inject.get(step, ()))
-    tracker_before = self.opt_state.growth_tracker
-    self.params, self.opt_state = self._apply(grads, self.opt_state, self.params)
+      injections = sc.micro_inject.get((step, micro), ())
+      if micro == sc.accumulate - 1:
+        injections = (*injections, *sc.inject.get(step, ()))
+      grads = _inject(self.pair, grads, injections)
+      self.params, self.opt_state = self._apply(grads, self.opt_state, self.params)
     new_scale = sc.new_scale.get(step)
     if new_scale is not None:
-      self.opt_state = self.opt_state._replace(
-        loss_scale=jnp.asarray(np.float32(new_scale)), growth_tracker=tracker_before
+      self.opt_state = _replace_scale_state(
+        self.opt_state,
+        loss_scale=jnp.asarray(np.float32(new_scale)),
+        growth_tracker=tracker_before,
       )
-    state = jax.device_get(self.opt_state)
+    state = jax.device_get(self._scale_state())
+    found = [bool(state.found_inf)] * self.n_optimizers
+    if self.n_optimizers > 1:  # param_labels: each group skips on its own leaves
+      found = [
+        bool(state.found_inf)
+        and any(bool(flag) for flag, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == i)
+        for i in range(self.n_optimizers)
+      ]
     return {
       "loss": float(np.mean(losses)),
       "scale_used": scale_used,
-      "found": [bool(state.found_inf)] * self.n_optimizers,
+      "found": found,
       "scale": np.asarray(state.loss_scale),
       "tracker": int(state.growth_tracker),
       "params": self.pair.to_torch_layout(jax.device_get(self.params)),
@@ -138,14 +256,14 @@ class OptaxDriver:
     return jax.device_get(unscaled), bool(found)
 
   def state(self) -> dict:
-    return jax_state(self.opt_state.inner_state, self.pair)
+    return jax_state(self._scale_state().inner_state, self.pair)
 
   def checkpoint(self) -> dict:
     """A torch-style checkpoint (scaler state_dict, params, optimizer state)."""
     s = self.scenario.scaler
     hyper = {k: s[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in s}
     return {
-      "scaler": jaxamp.state_dict(self.opt_state, **hyper),
+      "scaler": jaxamp.state_dict(self._scale_state(), **hyper),
       "params": self.pair.to_torch_layout(jax.device_get(self.params)),
       "optimizer": self.state(),
     }
@@ -155,7 +273,7 @@ class OptaxDriver:
     params = self.pair.from_torch_layout(checkpoint["params"])
     fresh = self.tx.init(params)
     inner = jax_inner_state_from_torch(
-      _inner(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
+      _inner_tx(self.scenario, self.pair), params, self.pair, checkpoint["optimizer"]
     )
     self.params = params
     self.opt_state = jaxamp.load_state_dict(fresh._replace(inner_state=inner), checkpoint["scaler"])
@@ -167,12 +285,15 @@ class GradScalerDriver:
   Each optimizer holds only the parameters its torch twin owns, as a flat
   ``{torch_name: leaf}`` dict, so skip decisions are per optimizer as in torch.
   Clipping is done between ``unscale_`` and ``step`` with optax's global-norm
-  formula, as a torch user calls ``clip_grad_norm_`` there.
+  formula, or torch's (``jaxamp.clip_grad_norm``), as a torch user calls
+  ``clip_grad_norm_`` there. Accumulation: ``zero_grad(set_to_none=False)``,
+  then ``opt.accumulate`` per micro-batch.
   """
 
   def __init__(self, scenario, pair: Pair):
     self.scenario, self.pair = scenario, pair
-    self.scaler = jaxamp.GradScaler(**scenario.scaler)
+    _nonfinite_only(scenario)
+    self.scaler = jaxamp.GradScaler(**scenario.scaler, **scenario.jaxamp_options)
     if scenario.initial_tracker is not None:
       self.scaler.load_state_dict(
         _scaler_state_dict(
@@ -186,9 +307,11 @@ class GradScalerDriver:
       jaxamp.Optimizer(make_single_optax(spec), layout.take(pair.params))
       for spec, layout in zip(scenario.optimizers, self.layouts)
     ]
-    loss_fn = pair.jax_loss
 
     def scaled_grads(scaler, params, batch):
+      # get_scale() inside jit is the traced scale (the penalty's 1 / get_scale()).
+      loss_fn = _loss_fn(scenario, pair, scaler.get_scale, scaler.scale)
+
       def scaled_loss(p):
         loss = loss_fn(p, batch)
         return scaler.scale(loss), loss
@@ -196,9 +319,15 @@ class GradScalerDriver:
       (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
       return grads, loss, scaler
 
-    def iterate(scaler, optimizers, grads, update, late_inject, unstepped):
+    def accumulate(optimizers, grads):
       for opt, layout in zip(optimizers, self.layouts):
-        opt.grads = layout.take(grads)
+        opt.accumulate(layout.take(grads))
+      return optimizers
+
+    def iterate(scaler, optimizers, grads, update, late_inject, unstepped):
+      if grads is not None:  # None: accumulated into opt.grads already
+        for opt, layout in zip(optimizers, self.layouts):
+          opt.grads = layout.take(grads)
       if scenario.clip is not None or scenario.explicit_unscale:
         for opt in optimizers:
           scaler.unscale_(opt)
@@ -207,7 +336,11 @@ class GradScalerDriver:
           if name in opt.grads:
             g = opt.grads[name]
             opt.grads = {**opt.grads, name: g.reshape(-1).at[position].set(value).reshape(g.shape)}
-      if scenario.clip is not None:
+      if scenario.clip is not None and scenario.clip_torch:
+        clipped, _ = jaxamp.clip_grad_norm([opt.grads for opt in optimizers], scenario.clip)
+        for opt, g in zip(optimizers, clipped):
+          opt.grads = g
+      elif scenario.clip is not None:
         clip = optax.clip_by_global_norm(scenario.clip)
         clipped, _ = clip.update([opt.grads for opt in optimizers], clip.init(None))
         for opt, g in zip(optimizers, clipped):
@@ -221,6 +354,7 @@ class GradScalerDriver:
       return scaler, optimizers, found
 
     self._scaled_grads = jax.jit(scaled_grads)
+    self._accumulate = jax.jit(accumulate)
     self._iterate = jax.jit(iterate, static_argnums=(3, 4, 5))
 
   def _full_params(self) -> Any:
@@ -231,20 +365,26 @@ class GradScalerDriver:
 
   def step(self, step: int) -> dict[str, Any]:
     sc = self.scenario
+    accumulating = sc.accumulate > 1
     for opt in self.optimizers:
-      opt.zero_grad()
+      opt.zero_grad(set_to_none=not accumulating)
     for name, value in sc.setters.get(step, {}).items():
       getattr(self.scaler, f"set_{name}")(value)
     params = self._full_params()
     grads, losses = None, []
     for micro in range(sc.accumulate):
-      g, loss, self.scaler = self._scaled_grads(
+      grads, loss, self.scaler = self._scaled_grads(
         self.scaler, params, self.pair.batch(step * sc.accumulate + micro)
       )
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       losses.append(float(loss))
+      injections = sc.micro_inject.get((step, micro), ())
+      if micro == sc.accumulate - 1:
+        injections = (*injections, *sc.inject.get(step, ()))
+      grads = _inject(self.pair, grads, injections)
+      if accumulating:  # each backward adds into .grad
+        self.optimizers = self._accumulate(self.optimizers, grads)
+        grads = None
     scale_used = np.float32(self.scaler.get_scale())
-    grads = _inject(self.pair, grads, sc.inject.get(step, ()))
     new_scale = sc.new_scale.get(step)
     self._scaler_used = self.scaler  # the jitted iteration returns a new scaler
     late = tuple(

@@ -26,9 +26,19 @@ import torch
 
 from parity import drivers
 from parity.models import Pair, to_torch_tensor
-from parity.optimizers import make_torch, owned, torch_state
+from parity.optimizers import (
+  make_torch,
+  make_torch_scheduler,
+  owned,
+  schedule_mismatch,
+  step_torch_scheduler,
+  torch_state,
+)
 
 _MAX_FAILURES = 5
+# The optax schedules compute in float32 what torch computes in float64 and
+# rounds to float32: a few float32 ulps (2**-23 each) apart; measured ≤ 4e-7.
+SCHEDULE_RTOL = 2.0**-21
 
 # The models are tiny: one thread is faster than several, and leaves a core to XLA.
 torch.set_num_threads(1)
@@ -49,6 +59,7 @@ class Result:
   unscale_bits_match: bool | None = None
   max_param_diff: float = 0.0
   max_state_diff: float = 0.0
+  max_schedule_diff: float = 0.0
   skipped_steps: int = 0
   flushed_elements: int = 0
   seconds: float = 0.0
@@ -114,7 +125,10 @@ def flush_to_zero_unscale(scaled: np.ndarray, scale: float) -> tuple[np.ndarray,
 
   Returns the flushed model's result (in ``scaled``'s dtype) and a mask of the
   elements where a subnormal (input, reciprocal or float32 product) is
-  involved: only there may the model differ from torch.
+  involved: only there may the model differ from torch. A subnormal
+  reciprocal (a scale above 2**126) is not flushed: jaxamp builds it from the
+  bits and computes torch's correctly rounded ``g * inv``; a subnormal input
+  is read as zero and a subnormal product written as zero.
   """
   scaled = np.asarray(scaled)
   with np.errstate(divide="ignore"):
@@ -124,7 +138,7 @@ def flush_to_zero_unscale(scaled: np.ndarray, scale: float) -> tuple[np.ndarray,
   wide = scaled.astype(np.float32)
   with np.errstate(all="ignore"):
     exact = (wide * inv).astype(np.float32)
-    flushed = _flush(_flush(wide) * _flush(inv))
+    flushed = _flush(_flush(wide) * inv)
   involved = _subnormal(wide) | _subnormal(exact) | bool(_subnormal(inv))
   return flushed.astype(scaled.dtype), involved
 
@@ -140,7 +154,34 @@ class TorchRun:
         {**_torch_hyper(scenario), "_growth_tracker": scenario.initial_tracker}
       )
     self.optimizers = [make_torch(spec, pair) for spec in scenario.optimizers]
+    self.schedulers = [
+      make_torch_scheduler(spec, opt) for spec, opt in zip(scenario.optimizers, self.optimizers)
+    ]
     self.named = dict(pair.torch_module.named_parameters())
+
+  def _inject(self, injections) -> None:
+    for name, index, value in injections:
+      with torch.no_grad():
+        self.named[name].grad.view(-1)[index] = value
+
+  def _backward(self, batch) -> float:
+    """``scaler.scale(loss).backward()`` (with the gradient penalty if asked); the loss."""
+    sc, scaler, module = self.scenario, self.scaler, self.pair.torch_module
+    loss = self.pair.torch_loss(module, batch, sc.autocast)
+    if sc.divide_loss:
+      loss = loss / sc.accumulate
+    if sc.grad_penalty:  # torch's AMP example, line for line
+      params = list(module.parameters())
+      scaled_grad_params = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+      inv_scale = 1.0 / scaler.get_scale()
+      grad_params = [p * inv_scale for p in scaled_grad_params]
+      grad_norm = 0
+      for grad in grad_params:
+        grad_norm = grad_norm + grad.pow(2).sum()
+      grad_norm = grad_norm.sqrt()
+      loss = loss + grad_norm
+    scaler.scale(loss).backward()
+    return loss.item()
 
   def step(self, step: int) -> dict[str, Any]:
     sc, scaler = self.scenario, self.scaler
@@ -150,24 +191,17 @@ class TorchRun:
       getattr(scaler, f"set_{name}")(value)
     losses = []
     for micro in range(sc.accumulate):
-      loss = self.pair.torch_loss(
-        self.pair.torch_module, self.pair.batch(step * sc.accumulate + micro), sc.autocast
-      )
-      scaler.scale(loss).backward()
-      losses.append(loss.item())
+      losses.append(self._backward(self.pair.batch(step * sc.accumulate + micro)))
+      self._inject(sc.micro_inject.get((step, micro), ()))
     scale_used = _f32(scaler.get_scale())
-    for name, index, value in sc.inject.get(step, ()):
-      with torch.no_grad():
-        self.named[name].grad.view(-1)[index] = value
+    self._inject(sc.inject.get(step, ()))
     scaled = self.pair.torch_arrays("grad")
     unscaled = None
     if sc.clip is not None or sc.explicit_unscale:
       for opt in self.optimizers:
         scaler.unscale_(opt)
       unscaled = self.pair.torch_arrays("grad")
-    for name, index, value in sc.late_inject.get(step, ()):
-      with torch.no_grad():
-        self.named[name].grad.view(-1)[index] = value
+    self._inject(sc.late_inject.get(step, ()))
     if sc.clip is not None:
       torch.nn.utils.clip_grad_norm_(self.pair.torch_module.parameters(), sc.clip)
     unstepped = sc.unstepped.get(step, ())
@@ -186,6 +220,9 @@ class TorchRun:
       scaler.update()
     else:
       scaler.update(new_scale=float(new_scale))
+    for scheduler in self.schedulers:  # every iteration, skipped ones included
+      if scheduler is not None:
+        step_torch_scheduler(scheduler)
     return {
       "loss": float(np.mean(losses)),
       "scale_used": scale_used,
@@ -285,6 +322,12 @@ def run(scenario, api: str) -> Result:
   pair = scenario.model()
   state_rtol = scenario.param_rtol if scenario.state_rtol is None else scenario.state_rtol
   result = Result(scenario.name, api, scenario.steps, scenario.param_rtol, state_rtol)
+  for i, spec in enumerate(scenario.optimizers):
+    # The optax schedule must give torch's learning rates before any training.
+    worst, what = schedule_mismatch(spec, scenario.steps)
+    result.max_schedule_diff = max(result.max_schedule_diff, worst)
+    if not worst <= SCHEDULE_RTOL:
+      result.fail(-1, f"optimizer {i}: schedule differs from torch's by {worst:.3g} ({what})")
   torch_run = TorchRun(scenario, pair)
   jax_run = drivers.make(api, scenario, pair)
   check_unscale = scenario.scaler.get("enabled", True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -364,8 +365,9 @@ class _Vectors(torch.nn.Module):
       self.register_parameter(name, torch.nn.Parameter(to_torch_tensor(value)))
 
 
-def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
-  """Parameter vectors of the given dtypes; ``loss = sum_k sum(p_k * w_k)``."""
+def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4, data_scale: float = 1.0) -> Pair:
+  """Parameter vectors of the given dtypes; ``loss = sum_k sum(p_k * w_k)``, the
+  ``w_k`` N(0, 1) times ``data_scale`` (rounded to float32)."""
   rng = np.random.default_rng(seed)
   init = {
     name: rng.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtype))
@@ -377,7 +379,8 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
   def batch_at(step: int):
     r = np.random.default_rng([seed, step])
     return tuple(
-      r.standard_normal(size).astype(np.float32).astype(jnp.dtype(dtypes[name])) for name in dtypes
+      (r.standard_normal(size) * data_scale).astype(np.float32).astype(jnp.dtype(dtypes[name]))
+      for name in dtypes
     )
 
   def torch_loss(m, batch, autocast_dtype=None):
@@ -392,12 +395,199 @@ def vectors(dtypes: dict[str, str], size: int = 4, seed: int = 4) -> Pair:
   return Pair("vectors", module, params, layout, torch_loss, jax_loss, batch_at)
 
 
+# ---------------------------------------------------------------------------------------
+# A small decoder-only Transformer (pre-LN, causal self-attention) on a copy task.
+
+
+class _TorchBlock(torch.nn.Module):
+  def __init__(self, d: int, heads: int, hidden: int):
+    super().__init__()
+    self.heads = heads
+    self.ln1 = torch.nn.LayerNorm(d)
+    # q, k, v without bias: a key bias gets an exactly-zero gradient (softmax is
+    # invariant to it), pure rounding noise that Adam would amplify to full steps.
+    self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+    self.o = torch.nn.Linear(d, d)
+    self.ln2 = torch.nn.LayerNorm(d)
+    self.fc1, self.fc2 = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+  def attention(self, x):
+    b, t, d = x.shape
+    dh = d // self.heads
+
+    def split(y):  # (B, T, D) -> (B, H, T, dh)
+      return y.reshape(b, t, self.heads, dh).transpose(1, 2)
+
+    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(dh)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return self.o(out.transpose(1, 2).reshape(b, t, d))
+
+  def forward(self, x):
+    x = x + self.attention(self.ln1(x))
+    return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class _TorchDecoder(torch.nn.Module):
+  def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int, hidden: int):
+    super().__init__()
+    self.embed = torch.nn.Embedding(vocab, d)
+    self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.02)
+    self.blocks = torch.nn.ModuleList(_TorchBlock(d, heads, hidden) for _ in range(layers))
+    self.ln = torch.nn.LayerNorm(d)
+    self.head = torch.nn.Linear(d, vocab)
+
+  def forward(self, tokens):
+    x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln(x))
+
+
+class _FlaxBlock(nn.Module):
+  heads: int
+  hidden: int
+
+  def _ln(self, name):
+    # torch's LayerNorm: eps 1e-5, the variance as mean((x - mean)**2).
+    return nn.LayerNorm(epsilon=1e-5, use_fast_variance=False, name=name)
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, d = x.shape
+    dh = d // self.heads
+
+    def split(y):
+      return y.reshape(b, t, self.heads, dh).transpose(0, 2, 1, 3)
+
+    h = self._ln("ln1")(x)
+    q, k, v = (split(nn.Dense(d, use_bias=False, name=n)(h)) for n in ("q", "k", "v"))
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(dh)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    out = jax.nn.softmax(scores, axis=-1) @ v
+    x = x + nn.Dense(d, name="o")(out.transpose(0, 2, 1, 3).reshape(b, t, d))
+    h = nn.Dense(self.hidden, name="fc1")(self._ln("ln2")(x))
+    return x + nn.Dense(d, name="fc2")(jax.nn.gelu(h, approximate=False))
+
+
+class _FlaxDecoder(nn.Module):
+  vocab: int
+  seq: int
+  d: int
+  heads: int
+  layers: int
+  hidden: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d, name="embed")(tokens)
+    x = x + self.param("pos", nn.initializers.zeros, (self.seq, self.d))[: tokens.shape[1]]
+    for i in range(self.layers):
+      x = _FlaxBlock(self.heads, self.hidden, name=f"blocks_{i}")(x)
+    x = nn.LayerNorm(epsilon=1e-5, use_fast_variance=False, name="ln")(x)
+    return nn.Dense(self.vocab, name="head")(x)
+
+
+def _decoder_layout(layers: int):
+  layout = [
+    ("pos", ("params", "pos"), "same"),
+    ("embed.weight", ("params", "embed", "embedding"), "same"),
+  ]
+  for i in range(layers):
+    block, path = f"blocks.{i}", ("params", f"blocks_{i}")
+    for ln in ("ln1",):
+      layout += [
+        (f"{block}.{ln}.weight", (*path, ln, "scale"), "same"),
+        (f"{block}.{ln}.bias", (*path, ln, "bias"), "same"),
+      ]
+    for lin in ("q", "k", "v"):
+      layout += [(f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense")]
+    layout += [
+      (f"{block}.o.weight", (*path, "o", "kernel"), "dense"),
+      (f"{block}.o.bias", (*path, "o", "bias"), "same"),
+    ]
+    layout += [
+      (f"{block}.ln2.weight", (*path, "ln2", "scale"), "same"),
+      (f"{block}.ln2.bias", (*path, "ln2", "bias"), "same"),
+    ]
+    for lin in ("fc1", "fc2"):
+      layout += [
+        (f"{block}.{lin}.weight", (*path, lin, "kernel"), "dense"),
+        (f"{block}.{lin}.bias", (*path, lin, "bias"), "same"),
+      ]
+  layout += [
+    ("ln.weight", ("params", "ln", "scale"), "same"),
+    ("ln.bias", ("params", "ln", "bias"), "same"),
+    ("head.weight", ("params", "head", "kernel"), "dense"),
+    ("head.bias", ("params", "head", "bias"), "same"),
+  ]
+  return layout
+
+
+def _copy_batches(seed: int, vocab: int, seq: int, batch: int):
+  """Tokens whose second half repeats the first; the target is the next token."""
+
+  def batch_at(step: int):
+    rng = np.random.default_rng([seed, step])
+    half = rng.integers(0, vocab, (batch, seq // 2 + 1))
+    tokens = np.concatenate([half, half[:, :-1]], axis=1)[:, : seq + 1]
+    return tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)
+
+  return batch_at
+
+
+def transformer(
+  seed: int = 5,
+  vocab: int = 16,
+  seq: int = 8,
+  d: int = 32,
+  heads: int = 4,
+  layers: int = 2,
+  hidden: int = 64,
+  batch: int = 16,
+) -> Pair:
+  """A 2-layer decoder-only Transformer (d_model 32, 4 heads, pre-LN, causal
+  self-attention, GELU MLP) predicting the next token of sequences whose second
+  half copies the first. Float32 throughout."""
+  torch.manual_seed(seed)
+  module = _TorchDecoder(vocab, seq, d, heads, layers, hidden)
+  layout = _decoder_layout(layers)
+  assert [n for n, _, _ in layout] == [n for n, _ in module.named_parameters()]
+  flax_module = _FlaxDecoder(vocab, seq, d, heads, layers, hidden)
+
+  def torch_loss(m, batch, autocast_dtype=None):
+    x, y = (torch.from_numpy(a) for a in batch)
+    logits = m(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+
+  def jax_loss(params, batch):
+    x, y = batch
+    logits = flax_module.apply(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits.reshape(-1, vocab), y.reshape(-1)
+    ).mean()
+
+  return Pair(
+    "transformer",
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss,
+    jax_loss,
+    _copy_batches(seed, vocab, seq, batch),
+  )
+
+
 MODELS = {
   "linear10": linear10,
   "two_layer": two_layer,
   "mlp_digits": mlp_digits,
   "cnn_digits": cnn_digits,
   "vectors": vectors,
+  "transformer": transformer,
 }
 
 

@@ -7,17 +7,27 @@
 | ``Adam(lr)`` (``fused=`` optional)  | ``adam(lr)`` (eps 1e-8 in both)       |
 | ``AdamW(lr, weight_decay=wd)``      | ``adamw(lr, weight_decay=wd)``        |
 
+An optimizer may carry a learning-rate schedule (``OptSpec.schedule``): torch's
+``LambdaLR`` (linear warmup) or ``OneCycleLR`` (cosine, with momentum cycling),
+stepped every iteration, against an optax schedule computing the same values as
+a function of the step count (``inject_hyperparams`` for the cycled momentum);
+:func:`schedule_mismatch` compares the two sequences before training.
+
 Several torch optimizers over disjoint parameter sets become one
-``optax.multi_transform``. States are compared as ``{kind: {torch_name: array}}``
+``optax.multi_transform`` (or ``{label: tx}`` with ``param_labels``). States are compared as ``{kind: {torch_name: array}}``
 with kinds ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq`` and ``step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
@@ -35,6 +45,7 @@ class OptSpec:
   weight_decay: float = 0.0
   fused: bool = False
   prefix: str = ""
+  schedule: tuple | None = None  # ("warmup", steps) or ("onecycle", total, max_lr, pct)
 
 
 def owned(spec: OptSpec, pair: Pair) -> list[str]:
@@ -54,13 +65,152 @@ def make_torch(spec: OptSpec, pair: Pair) -> torch.optim.Optimizer:
 
 
 def make_single_optax(spec: OptSpec) -> optax.GradientTransformation:
+  lr, momentum = jax_schedules(spec)
+  if momentum is not None:  # OneCycleLR cycles SGD's momentum too
+    if spec.kind != "sgd":
+      raise ValueError("momentum cycling is paired for SGD only")
+    return optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=momentum)
   if spec.kind == "sgd":
-    return optax.sgd(spec.lr, momentum=spec.momentum or None)
+    return optax.sgd(lr, momentum=spec.momentum or None)
   if spec.kind == "adam":
-    return optax.adam(spec.lr)
+    return optax.adam(lr)
   if spec.kind == "adamw":
-    return optax.adamw(spec.lr, weight_decay=spec.weight_decay)
+    return optax.adamw(lr, weight_decay=spec.weight_decay)
   raise ValueError(spec.kind)
+
+
+# ---------------------------------------------------------------------------------------
+# Learning-rate schedules: torch's LRScheduler, stepped every iteration (skipped ones
+# included), and the optax schedule of the same values (schedule_counts="iterations").
+
+_DIV_FACTOR, _FINAL_DIV_FACTOR = 25.0, 1e4  # OneCycleLR's defaults
+_BASE_MOMENTUM, _MAX_MOMENTUM = 0.85, 0.95
+
+
+def _warmup_factor(steps: int):
+  return lambda i: min(1.0, (i + 1) / steps)
+
+
+def make_torch_scheduler(spec: OptSpec, opt: torch.optim.Optimizer):
+  """torch's scheduler for ``spec.schedule`` (None without one)."""
+  if spec.schedule is None:
+    return None
+  kind, *args = spec.schedule
+  if kind == "warmup":
+    return torch.optim.lr_scheduler.LambdaLR(opt, _warmup_factor(args[0]))
+  if kind == "onecycle":
+    total, max_lr, pct = args
+    return torch.optim.lr_scheduler.OneCycleLR(
+      opt, max_lr=max_lr, total_steps=total, pct_start=pct
+    )  # defaults: anneal_strategy="cos", div_factor 25, final_div_factor 1e4, cycle_momentum
+  raise ValueError(kind)
+
+
+def step_torch_scheduler(scheduler) -> None:
+  """``scheduler.step()``; its warning about a step before ``optimizer.step()``
+  (the first iteration skipped, docs/torch_semantics.md §6.61) is expected here."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
+    scheduler.step()
+
+
+def _cos_anneal(start_value, end_value, step, start_step, end_step):
+  """OneCycleLR._annealing_cos at ``pct = (step - start_step) / (end_step - start_step)``:
+  ``end + (start - end) / 2 * (cos(pi * pct) + 1)``, computed in float32 as
+  ``start * c**2 + end * s**2`` with ``c, s = cos, sin(pi/2 * pct)`` (the same
+  value), taken as ``sin, cos(pi/2 * (1 - pct))`` for ``pct > 1/2`` with ``1 - pct``
+  from the step counts. torch's form, evaluated in float32, would cancel away
+  the digits its float64 keeps (``cos(pi * pct) + 1`` near ``pct = 1``, and
+  ``end + (start - end)`` near ``pct = 0``)."""
+  span = end_step - start_step
+  pct = (step - start_step) / span
+  rest = (end_step - step) / span
+  first = pct <= 0.5
+  c = jnp.where(first, jnp.cos(jnp.pi / 2 * pct), jnp.sin(jnp.pi / 2 * rest))
+  s = jnp.where(first, jnp.sin(jnp.pi / 2 * pct), jnp.cos(jnp.pi / 2 * rest))
+  return start_value * (c * c) + end_value * (s * s)
+
+
+def _onecycle(total: int, max_lr: float, pct: float):
+  """OneCycleLR (two phases, cosine) as functions of the step count."""
+  initial = max_lr / _DIV_FACTOR
+  final = initial / _FINAL_DIV_FACTOR
+  end_up = float(pct * total) - 1  # torch's phase boundaries, as floats
+  end_down = float(total - 1)
+
+  def anneal(count, up_values, down_values):
+    step = count.astype(jnp.float32)
+    return jnp.where(
+      step <= end_up,
+      _cos_anneal(*up_values, step, 0.0, end_up),
+      _cos_anneal(*down_values, step, end_up, end_down),
+    )
+
+  def lr(count):
+    return anneal(count, (initial, max_lr), (max_lr, final))
+
+  def momentum(count):
+    return anneal(count, (_MAX_MOMENTUM, _BASE_MOMENTUM), (_BASE_MOMENTUM, _MAX_MOMENTUM))
+
+  return lr, momentum
+
+
+def jax_schedules(spec: OptSpec):
+  """``(learning_rate, momentum)`` for optax: numbers, or schedules of the count
+  (``momentum`` None unless the schedule cycles it)."""
+  if spec.schedule is None:
+    return spec.lr, None
+  kind, *args = spec.schedule
+  if kind == "warmup":
+    steps = args[0]
+    return (
+      lambda count: spec.lr * jnp.minimum(1.0, (count.astype(jnp.float32) + 1.0) / steps)
+    ), None
+  if kind == "onecycle":
+    return _onecycle(*args)
+  raise ValueError(kind)
+
+
+def schedule_mismatch(spec: OptSpec, steps: int) -> tuple[float, str]:
+  """The largest relative difference, over ``steps`` iterations, between torch's
+  learning rates (and cycled momenta) as float32 and the optax schedule's, and
+  a description. torch computes in float64 and its kernels round the result to
+  float32; the optax schedule computes in float32, so one or two ulps apart."""
+  if spec.schedule is None:
+    return 0.0, ""
+  param = torch.nn.Parameter(torch.zeros(1))
+  opt = make_torch(dataclasses.replace(spec, prefix=""), _single(param))
+  sched = make_torch_scheduler(spec, opt)
+  torch_lr, torch_momentum = [], []
+  for _ in range(steps):
+    torch_lr.append(opt.param_groups[0]["lr"])
+    torch_momentum.append(opt.param_groups[0].get("momentum"))
+    opt.step()
+    sched.step()
+  lr, momentum = jax_schedules(spec)
+  counts = jnp.arange(steps, dtype=jnp.int32)
+  pairs = [("lr", torch_lr, np.asarray(jax.vmap(lr)(counts)))]
+  if momentum is not None:
+    pairs.append(("momentum", torch_momentum, np.asarray(jax.vmap(momentum)(counts))))
+  worst, what = 0.0, ""
+  for name, expected, got in pairs:
+    expected = np.asarray(expected, np.float64).astype(np.float32)
+    rel = np.abs(got.astype(np.float64) - expected) / np.abs(expected)
+    if rel.max() > worst:
+      i = int(rel.argmax())
+      worst = float(rel.max())
+      what = f"{name} at step {i}: optax {float(got[i])!r}, torch {float(expected[i])!r}"
+  if not math.isfinite(worst):
+    worst = math.inf
+  return worst, what
+
+
+class _single:
+  """A stand-in ``Pair`` holding one parameter, for :func:`make_torch`."""
+
+  def __init__(self, param):
+    self.torch_module = torch.nn.ParameterDict({"p": param})
+    self.names = ["p"]
 
 
 def make_optax(specs: tuple[OptSpec, ...], pair: Pair) -> optax.GradientTransformation:

@@ -42,14 +42,32 @@ class Scenario:
       ``jaxamp.dynamic_loss_scale``.
     inject: ``{step: ((torch_param_name, flat_index, value), ...)}`` written into
       the scaled gradients after backward.
-    clip: ``clip_grad_norm_`` max norm after ``unscale_`` (``clip_by_global_norm``).
+    clip: ``clip_grad_norm_`` max norm after ``unscale_`` (jaxamp side:
+      ``optax.clip_by_global_norm``, or torch's formula with ``clip_torch``).
+    clip_torch: clip with torch's formula on the jaxamp side too:
+      ``jaxamp.clip_by_torch_norm`` inside the wrapper, ``jaxamp.clip_grad_norm``
+      on the optimizers' grads after ``unscale_``.
     explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
     late_inject: as ``inject``, but written after ``unscale_`` (not re-checked).
     unstepped: ``{step: (optimizer index, ...)}`` whose ``step`` is not called.
     setters: ``{step: {"growth_factor": x, ...}}``: ``scaler.set_<name>(x)`` before it.
     new_scale: ``{step: value}``: ``update(new_scale=value)`` at that step.
     initial_tracker: a growth tracker loaded before the first step.
-    accumulate: micro-batches whose scaled gradients are summed per step.
+    accumulate: micro-batches whose scaled gradients are summed per step (one
+      step is one accumulation window: torch's ``backward`` per micro-batch, then
+      ``step``/``update``/``zero_grad``; jaxamp: ``jaxamp.accumulate_gradients``
+      around the wrapper, ``Optimizer.accumulate`` with ``GradScaler``). With
+      accumulation, ``inject`` is written after the last micro-batch's backward
+      (in JAX into that micro-batch's gradients: the same for inf/NaN, the only
+      values allowed then).
+    micro_inject: ``{(step, micro): injections}``, as ``inject`` after that
+      micro-batch's backward (inf/NaN only).
+    divide_loss: each micro-batch's loss is divided by ``accumulate``, as torch's
+      AMP accumulation example (``loss / iters_to_accumulate``).
+    grad_penalty: torch's AMP gradient-penalty example: the unscaled gradients of
+      the scaled loss (``1 / get_scale()``), their norm added to the loss, then
+      the scaled total backpropagated.
+    jaxamp_options: keyword arguments for jaxamp only (``schedule_counts``).
     autocast: torch autocast dtype (the Flax model is built with the same dtype).
     resume: ``(step, "jax" | "torch")``: after ``step`` steps, the other
       framework's checkpoint is loaded into this one, which continues from it.
@@ -80,6 +98,11 @@ class Scenario:
   new_scale: dict = dataclasses.field(default_factory=dict)
   initial_tracker: int | None = None
   accumulate: int = 1
+  micro_inject: dict = dataclasses.field(default_factory=dict)
+  divide_loss: bool = False
+  grad_penalty: bool = False
+  clip_torch: bool = False
+  jaxamp_options: dict = dataclasses.field(default_factory=dict)
   autocast: str | None = None
   resume: tuple[int, str] | None = None
   param_rtol: float = 1e-5
@@ -280,8 +303,9 @@ SCENARIOS: list[Scenario] = [
   ),
   Scenario(
     "linear_grad_accumulation",
-    "docs/torch_semantics.md §6.32: two scaled backward passes per step add up before one unscale/step; "
-    "inf injected into the summed gradient at step 3.",
+    "docs/torch_semantics.md §6.32: two scaled backward passes per step add up before one unscale/step "
+    "(jaxamp.accumulate_gradients, Optimizer.accumulate); inf written after the second "
+    "backward at step 3.",
     models.linear10,
     steps=8,
     scaler=_factors(4.0, 2.0, 0.5, 2),
@@ -299,6 +323,120 @@ SCENARIOS: list[Scenario] = [
     scaler=_factors(1024.0, 2.0, 0.5, 3),
     clip=1.0,
     inject=_at([2, 5], INF),
+    spec=(26, 27),
+  ),
+  Scenario(
+    "two_layer_accumulation_overflow_window",
+    "torch's AMP accumulation example: 4 micro-batches per window, loss / 4, backward "
+    "each, step/update/zero_grad at the window's end; inf in micro-batch 1 of window 2 "
+    "and NaN in micro-batch 3 of window 5 skip those windows, and the next windows "
+    "start from zero gradients (optax: jaxamp.accumulate_gradients(dynamic_loss_scale); "
+    "GradScaler: zero_grad(set_to_none=False) + Optimizer.accumulate). One step here is "
+    "one window.",
+    models.two_layer,
+    optimizers=MOMENTUM,
+    steps=9,
+    scaler=_factors(1024.0, 2.0, 0.5, 2),
+    accumulate=4,
+    divide_loss=True,
+    micro_inject={(2, 1): (("0.weight", 5, INF),), (5, 3): (("2.bias", 1, NAN),)},
+    spec=(32,),
+  ),
+  Scenario(
+    "two_layer_warmup_lambda_lr_early_skips",
+    "Adam with torch's LambdaLR linear warmup (10 steps) from the default scale 65536, "
+    "inf at steps 0-3 (as a float16 run's first steps overflow) and 12: torch's "
+    "scheduler.step() runs every iteration, skipped ones included, Adam's own step does "
+    "not (jaxamp: schedule_counts='iterations', optax.adam(schedule)). The optax "
+    "schedule's learning rates are checked against torch's before training.",
+    models.two_layer,
+    optimizers=(OptSpec("adam", 0.01, schedule=("warmup", 10)),),
+    steps=20,
+    scaler=_factors(65536.0, 2.0, 0.5, 4),
+    inject=_at([0, 1, 2, 3, 12], INF),
+    jaxamp_options={"schedule_counts": "iterations"},
+    spec=(33, 61),
+  ),
+  Scenario(
+    "two_layer_onecycle_early_skips",
+    "momentum SGD with torch's OneCycleLR (max_lr 0.1, 40 total steps, pct_start 0.3; "
+    "its defaults: cosine annealing, div_factor 25, final_div_factor 1e4, momentum cycled "
+    "0.95 -> 0.85 -> 0.95), inf at steps 0-3 and 20: the schedule advances on skipped "
+    "steps (jaxamp: schedule_counts='iterations', "
+    "inject_hyperparams(sgd)(learning_rate=lr(count), momentum=m(count))). lr and "
+    "momentum sequences are checked against torch's before training (a few float32 "
+    "ulps: the schedule is float32, torch's float64).",
+    models.two_layer,
+    optimizers=(OptSpec("sgd", 0.1, momentum=0.9, schedule=("onecycle", 40, 0.1, 0.3)),),
+    steps=40,
+    scaler=_factors(65536.0, 2.0, 0.5, 5),
+    inject=_at([0, 1, 2, 3, 20], INF),
+    jaxamp_options={"schedule_counts": "iterations"},
+    spec=(61,),
+  ),
+  Scenario(
+    "two_layer_param_labels_one_layer_inf",
+    "Several optimizers, one scaler, in both APIs: Adam on layer 0, momentum SGD on "
+    "layer 2 (optax: dynamic_loss_scale({label: tx}, param_labels=...)); inf/NaN only "
+    "in layer 2's gradients at steps 3, 4, 11 and 15, in layer 0's only at step 8: only "
+    "that optimizer skips, the other steps, and the scale backs off once per step.",
+    models.two_layer,
+    optimizers=(
+      OptSpec("adam", 0.01, prefix="0."),
+      OptSpec("sgd", 0.05, momentum=0.9, prefix="2."),
+    ),
+    steps=20,
+    scaler=_factors(16.0, 2.0, 0.5, 3),
+    inject={
+      3: (("2.weight", 7, INF),),
+      4: (("2.bias", 0, -INF),),
+      8: (("0.bias", 4, INF),),
+      11: (("2.weight", 30, INF),),
+      15: (("2.bias", 9, NAN),),
+    },
+    spec=(29,),
+  ),
+  Scenario(
+    "two_layer_grad_penalty",
+    "torch's AMP gradient-penalty example: autograd.grad of scaler.scale(loss) with "
+    "create_graph, times inv_scale = 1 / scaler.get_scale(), their norm added to the "
+    "loss, scaler.scale(loss).backward() (jaxamp: jax.grad inside the loss, "
+    "1 / GradScaler.get_scale() inside jit, 1 / jaxamp.get_loss_scale(state) for optax); "
+    "inf at steps 4 and 9.",
+    models.two_layer,
+    optimizers=MOMENTUM,
+    steps=14,
+    scaler=_factors(1024.0, 2.0, 0.5, 3),
+    inject=_at([4, 9], INF),
+    grad_penalty=True,
+  ),
+  Scenario(
+    "vector_scale_above_2_126",
+    "torch's test_grad_scale_will_not_overflow idea: init_scale 1e38 (> 2**126), so "
+    "inv_scale = 1 / scale is a float32 subnormal; growth 2, interval 2: 1e38 -> 2e38, "
+    "the next growth (4e38) would overflow and is dropped; inf at step 7 backs off to "
+    "1e38. The unscaled gradients g * inv_scale must equal torch's bit for bit (w ~ "
+    "N(0, 1e-3), so they are normal floats).",
+    functools.partial(models.vectors, {"p": "float32"}, size=16, data_scale=1e-3),
+    steps=12,
+    scaler=_factors(1e38, 2.0, 0.5, 2),
+    inject=_at([7], INF, "p", 3),
+  ),
+  Scenario(
+    "vector_clip_torch_formula",
+    "unscale_ then clip_grad_norm_(1e-3) with torch's formula on both sides: "
+    "jaxamp.clip_by_torch_norm inside the wrapper, jaxamp.clip_grad_norm on the "
+    "optimizers' grads after GradScaler.unscale_ (max_norm / (norm + 1e-6), clamped at "
+    "1); momentum SGD, inf at steps 3 and 7. The gradients are small (w ~ N(0, 1e-3), "
+    "norm ~4e-3), so optax.clip_by_global_norm's max_norm / norm is 2.5e-4 off "
+    "relative and the momentum buffers would fail the 1e-5 tolerance.",
+    functools.partial(models.vectors, {"p": "float32"}, size=16, data_scale=1e-3),
+    optimizers=MOMENTUM,
+    steps=12,
+    scaler=_factors(1024.0, 2.0, 0.5, 3),
+    clip=1e-3,
+    clip_torch=True,
+    inject=_at([3, 7], INF, "p", 2),
     spec=(26, 27),
   ),
   Scenario(
@@ -400,8 +538,8 @@ SCENARIOS: list[Scenario] = [
   Scenario(
     "two_layer_two_optimizers",
     "Linear -> ReLU -> Linear, momentum SGD on layer 0 and Adam on layer 2 "
-    "(optax: multi_transform in one wrapper); inf and NaN in both layers on the "
-    "same steps, so both optimizers skip together.",
+    "(optax: {label: tx} with param_labels in one wrapper); inf and NaN in both "
+    "layers on the same steps, so both optimizers skip together.",
     models.two_layer,
     optimizers=(
       OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
@@ -491,10 +629,57 @@ SCENARIOS: list[Scenario] = [
     plot=True,
   ),
   Scenario(
+    "transformer_decoder",
+    "A 2-layer decoder-only Transformer (d_model 32, 4 heads, causal self-attention, "
+    "pre-LayerNorm, GELU MLP; q/k/v without bias) on a synthetic copy task, float32, "
+    "momentum SGD, 200 steps, interval 10, inf written into a different layer every 29 "
+    "steps: several growth and backoff cycles. Momentum SGD, not Adam: Adam's first "
+    "step divides each gradient by its own magnitude, so elements whose gradient is "
+    "rounding noise (sums that cancel) take full steps in a direction set by the "
+    "rounding; measured 9e-5 apart at step 0.",
+    models.transformer,
+    optimizers=(OptSpec("sgd", 0.1, momentum=0.9),),
+    steps=200,
+    scaler=_factors(65536.0, 2.0, 0.5, 10),
+    inject={
+      s: ((name, 5, INF),)
+      for s, name in zip(
+        range(7, 200, 29),
+        [
+          "blocks.0.q.weight",
+          "blocks.1.fc1.weight",
+          "head.bias",
+          "embed.weight",
+          "blocks.0.ln1.weight",
+          "blocks.1.o.weight",
+          "pos",
+        ],
+      )
+    },
+    plot=True,
+  ),
+  Scenario(
+    "two_layer_long_growth_backoff",
+    "1,200 steps, momentum SGD (lr 0.02), growth interval 8, inf every 37 steps and NaN "
+    "at 600-602: the scale grows 130 times and backs off 35 (2**10 to 2**105), tracker "
+    "and skips bit-equal throughout. lr 0.02: at 0.05 the momentum buffers drift 8.1e-6 "
+    "apart over the 1,200 steps, too close to 1e-5 (at 0.02: 1.4e-6).",
+    models.two_layer,
+    optimizers=(OptSpec("sgd", 0.02, momentum=0.9),),
+    steps=1200,
+    scaler=_factors(1024.0, 2.0, 0.5, 8),
+    inject={
+      **_at(range(20, 1200, 37), INF, "2.weight", 13),
+      **_at([600, 601, 602], NAN, "0.bias", 4),
+    },
+    plot=True,
+  ),
+  Scenario(
     "two_layer_per_optimizer_skip",
     "docs/torch_semantics.md §6.29: two optimizers (momentum SGD on layer 0, Adam on layer 2), inf only in "
     "layer 0 at step 1, NaN only in layer 2 at step 2, both at step 3: each optimizer "
-    "skips on its own gradients, and the scale backs off once per update.",
+    "skips on its own gradients, and the scale backs off once per update. optax: "
+    "dynamic_loss_scale({label: tx}, param_labels=...).",
     models.two_layer,
     optimizers=(
       OptSpec("sgd", 0.05, momentum=0.9, prefix="0."),
@@ -508,7 +693,6 @@ SCENARIOS: list[Scenario] = [
       3: (("0.bias", 0, INF), ("2.weight", 9, NAN)),
     },
     spec=(29,),
-    apis=("grad_scaler",),
   ),
   Scenario(
     "two_layer_untouched_optimizer",

@@ -22,7 +22,7 @@ import optax
 
 import jaxamp
 from parity import __main__ as cli
-from parity import engine, scenarios
+from parity import engine, models, optimizers, scenarios
 
 pytestmark = pytest.mark.torch
 
@@ -83,6 +83,49 @@ def test_parity_registry_covers_every_required_piece():
   assert {s.resume[1] for s in scenarios.SCENARIOS if s.resume} == {"jax", "torch"}
   assert by_name["mlp_digits"].steps >= 200 and by_name["cnn_digits"].steps >= 200
   assert by_name["mlp_digits_fp16"].autocast == "float16"
+
+
+def test_parity_registry_covers_the_training_loop_pieces():
+  both = ("optax", "grad_scaler")
+  by_name = scenarios.REGISTRY
+  # An overflow inside an accumulation window, with more windows after it.
+  acc = by_name["two_layer_accumulation_overflow_window"]
+  assert acc.accumulate == 4 and acc.divide_loss and acc.apis == both
+  assert min(step for step, _ in acc.micro_inject) >= 1 and acc.steps >= 6
+  # Schedules with early skips, counted as torch's scheduler.step() counts.
+  for name, kind in (
+    ("two_layer_warmup_lambda_lr_early_skips", "warmup"),
+    ("two_layer_onecycle_early_skips", "onecycle"),
+  ):
+    s = by_name[name]
+    assert s.optimizers[0].schedule[0] == kind and s.apis == both
+    assert s.jaxamp_options == {"schedule_counts": "iterations"}
+    assert {0, 1, 2, 3} <= set(s.inject)
+  # Several optimizers in the optax form, each skipped on its own gradients.
+  for name in ("two_layer_param_labels_one_layer_inf", "two_layer_per_optimizer_skip"):
+    assert len(by_name[name].optimizers) == 2 and by_name[name].apis == both
+  assert by_name["two_layer_grad_penalty"].grad_penalty
+  assert by_name["vector_scale_above_2_126"].scaler["init_scale"] > 2.0**126
+  assert by_name["vector_clip_torch_formula"].clip_torch
+  assert by_name["transformer_decoder"].model is models.transformer
+  long = [s for s in scenarios.SCENARIOS if s.steps >= 1000]
+  assert long and all(s.scaler["growth_interval"] <= 10 and len(s.inject) >= 20 for s in long)
+
+
+def test_parity_long_run_has_several_growth_and_backoff_cycles():
+  result = _run("two_layer_long_growth_backoff", "optax")
+  log2 = np.log2(result.curves["torch_scale"])
+  changes = np.diff(log2)
+  assert (changes > 0).sum() >= 100 and (changes < 0).sum() >= 30
+  assert result.curves["jax_scale"] == result.curves["torch_scale"]
+
+
+def test_parity_scale_above_2_126_unscales_with_a_subnormal_reciprocal():
+  result = _run("vector_scale_above_2_126", "grad_scaler")
+  scales = np.float32(result.curves["torch_scale"])
+  assert np.all(scales > np.float32(2.0**126))
+  assert np.all(np.float32(1.0) / scales < np.finfo(np.float32).tiny)  # subnormal inv_scale
+  assert result.unscale_bits_match is True and result.flushed_elements == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +213,39 @@ def test_parity_detects_a_missed_skip(monkeypatch):
   assert not result.skips_match and not result.passed
   assert result.failures[0].startswith("step 4: scale")
   assert any("step 4: skip decisions" in f for f in result.failures)
+
+
+def test_parity_detects_schedules_that_pause_on_skipped_steps():
+  # schedule_counts="applied" (optax's default): after the four skipped first
+  # steps the warmup is four steps behind torch's LambdaLR.
+  scenario = dataclasses.replace(
+    scenarios.REGISTRY["two_layer_warmup_lambda_lr_early_skips"], jaxamp_options={}
+  )
+  result = engine.run(scenario, "optax")
+  assert result.scale_match and result.skips_match and not result.passed
+  assert result.failures[0].startswith("step 4: parameter")
+
+
+def test_parity_detects_optax_clipping_formula():
+  # optax.clip_by_global_norm's max_norm / norm against torch's max_norm / (norm + 1e-6):
+  # 2.5e-4 apart at these small norms, caught in the momentum buffers.
+  scenario = dataclasses.replace(scenarios.REGISTRY["vector_clip_torch_formula"], clip_torch=False)
+  result = engine.run(scenario, "grad_scaler")
+  assert not result.passed and result.max_state_diff > 1e-4
+
+
+def test_parity_schedule_check_catches_torchs_formula_in_float32(monkeypatch):
+  # OneCycleLR's cosine written as torch writes it, evaluated in float32, cancels
+  # near the phase ends: the check before training reports it.
+  def naive(start, end, step, start_step, end_step):
+    pct = (step - start_step) / (end_step - start_step)
+    return end + (start - end) / 2.0 * (jnp.cos(jnp.pi * pct) + 1.0)
+
+  spec = scenarios.REGISTRY["two_layer_onecycle_early_skips"].optimizers[0]
+  assert optimizers.schedule_mismatch(spec, 40)[0] <= engine.SCHEDULE_RTOL
+  monkeypatch.setattr(optimizers, "_cos_anneal", naive)
+  worst, what = optimizers.schedule_mismatch(spec, 40)
+  assert worst > engine.SCHEDULE_RTOL and what.startswith("lr at step")
 
 
 def test_parity_resume_loads_the_other_frameworks_checkpoint(monkeypatch):
@@ -303,6 +379,20 @@ def test_parity_flush_to_zero_model_explains_only_subnormal_differences():
   assert not engine._explained_by_flush(wrong, torch_like, scaled, scale)
   # Nor is a flushed value where jaxamp should have kept torch's bits.
   assert not engine._explained_by_flush(jax_like, torch_like, scaled, np.float32(1.0))
+
+
+def test_parity_flush_to_zero_model_keeps_a_subnormal_reciprocal():
+  # Above 2**126 inv_scale is subnormal; jaxamp computes torch's correctly
+  # rounded g * inv_scale, flushing only a subnormal result.
+  scale = np.float32(1e38)
+  inv = np.float32(1.0 / np.float64(scale))
+  assert 0 < inv < np.finfo(np.float32).tiny
+  scaled = np.array([1e36, -3.0, 0.5], np.float32)
+  torch_like = (scaled * inv).astype(np.float32)
+  model, involved = engine.flush_to_zero_unscale(scaled, scale)
+  assert model[0] == torch_like[0] != 0 and model[1] == torch_like[1] != 0
+  assert model[2] == 0 and torch_like[2] != 0  # 5e-39: subnormal, flushed
+  assert involved.all()  # the reciprocal is subnormal: every element is marked
 
 
 def test_parity_subnormal_scenarios_are_flagged_not_hidden():
