@@ -41,10 +41,21 @@ if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
 else
   tar -C "$root" --exclude=./jaxamp --exclude='./.venv*' -cf - . | tar -C "$work/repo" -xf -
 fi
-installed="$("$venv/bin/python" -c 'import jaxamp, os; print(os.path.dirname(jaxamp.__file__))')"
 cd "$work/repo"
-if [ "$#" -eq 0 ]; then
-  set -- tests "$installed"
+# -P: not the current directory first on sys.path; there is no jaxamp/ here anyway.
+installed="$("$venv/bin/python" -P -c 'import jaxamp, os; print(os.path.dirname(jaxamp.__file__))')"
+run_pytest() {
+  JAXAMP_EXPECT_INSTALLED="$installed" "$venv/bin/python" -m pytest -p no:cacheprovider \
+    --rootdir "$work/repo" "$@"
+}
+if [ "$#" -gt 0 ]; then
+  run_pytest "$@"
+else
+  # The whole suite: tests/, then the doctests of the installed jaxamp/. Two runs:
+  # given both paths at once, pytest reaches site-packages through .venv-wheel,
+  # a directory it does not recurse into (norecursedirs '.*'), and collects none.
+  status=0
+  run_pytest tests || status=$?
+  run_pytest "$installed" || status=$((status ? status : $?))
+  exit "$status"
 fi
-JAXAMP_EXPECT_INSTALLED="$installed" "$venv/bin/python" -m pytest -p no:cacheprovider \
-  --rootdir "$work/repo" "$@"
