@@ -160,11 +160,15 @@ class GradScaler:
     growth_interval: clean updates before growing (an int; <= 0 never grows).
     enabled: ``False`` makes every method a pass-through, as torch's (the
       options are then ignored and not checked).
-    min_loss_scale, max_loss_scale, hysteresis, consecutive_hysteresis,
-      max_consecutive_skips, detect_unscale_overflow: (not in torch, keyword
-      only) the options of :func:`~jaxamp.dynamic_loss_scale`, as Python
-      values, applied by ``update()`` to the found_inf combined over all
-      optimizers (``detect_unscale_overflow`` by ``unscale_``/``step``).
+    min_loss_scale: (not in torch, keyword only, as are the five below) the
+      options of :func:`~jaxamp.dynamic_loss_scale`, as Python values, applied
+      by ``update()`` to the found_inf combined over all optimizers
+      (``detect_unscale_overflow`` by ``unscale_``/``step``).
+    max_loss_scale: as ``min_loss_scale``.
+    hysteresis: as ``min_loss_scale``.
+    consecutive_hysteresis: as ``min_loss_scale``.
+    max_consecutive_skips: as ``min_loss_scale``.
+    detect_unscale_overflow: as ``min_loss_scale``.
     schedule_counts: (keyword only) ``"applied"`` or ``"iterations"``, as in
       :func:`~jaxamp.dynamic_loss_scale`: with ``"iterations"`` a skipped
       ``step`` still advances the schedules in the optimizer's state, as
