@@ -1145,6 +1145,12 @@ def test_misuse_is_refused_before_anything_changes(make, exc, pattern):
 # Donated buffers: the skip limit inside a jitted, donating step
 
 
+@pytest.mark.xfail(
+  strict=True,
+  reason="known, open (issue 15): inside jit the skip limit raises from the computation "
+  "(a host callback), so JAX deletes the donated params and state and the first line is "
+  "XLA's; outside jit the error is jaxamp's and nothing changes (tested above)",
+)
 def test_skip_limit_in_a_donating_jit_step_leaves_valid_params_and_state():
   # The README's pattern: step(params, opt_state, grads) -> (params, opt_state),
   # donate_argnums=(0, 1). When the limit raises, the caller must still hold
