@@ -324,7 +324,9 @@ def test_dynamic_loss_scale_shard_map_axis_name_state_can_be_returned_replicated
   assert result["scale_per_device"] == {d: [2.0] for d in DEVICES}
 
 
-@pytest.mark.parametrize("check", ["shard_map_no_axis_name", "shard_map_replicated_out_no_axis_name"])
+@pytest.mark.parametrize(
+  "check", ["shard_map_no_axis_name", "shard_map_replicated_out_no_axis_name"]
+)
 def test_dynamic_loss_scale_shard_map_without_axis_name_is_refused(devices, check):
   # Per-device gradients and no axis_name: each device would skip on its own
   # (device 5 alone, with its own backed-off scale). jaxamp refuses it at trace
