@@ -235,14 +235,14 @@ class GradScaler:
 
   # -- pytree -------------------------------------------------------------------
 
-  def tree_flatten(self):
+  def tree_flatten(self) -> tuple[tuple, tuple]:
     keys = tuple(self._states)
     children = (self._core, tuple(self._states[k].found_inf for k in keys))
     stages = tuple((k, self._states[k].stage, self._states[k].found_inf is None) for k in keys)
     return children, (self._config, self._init_growth_tracker, stages)
 
   @classmethod
-  def tree_unflatten(cls, static, children):
+  def tree_unflatten(cls, static: tuple, children: tuple) -> GradScaler:
     scaler = object.__new__(cls)
     scaler._config, scaler._init_growth_tracker, stages = static
     scaler._core, found_infs = children

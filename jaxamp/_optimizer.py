@@ -126,11 +126,11 @@ class Optimizer:
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
     return
 
-  def tree_flatten(self):
+  def tree_flatten(self) -> tuple[tuple, tuple]:
     return (self.params, self.opt_state, self.grads, self.nonfinite_leaves), (self.tx, self._key)
 
   @classmethod
-  def tree_unflatten(cls, aux, children):
+  def tree_unflatten(cls, aux: tuple, children: tuple) -> Optimizer:
     optimizer = object.__new__(cls)
     optimizer.tx, optimizer._key = aux
     optimizer.params, optimizer.opt_state, optimizer.grads, optimizer.nonfinite_leaves = children
