@@ -278,9 +278,15 @@ def dynamic_loss_scale(
   elif isinstance(inner, optax.GradientTransformation):
     static_inner = inner  # the caller's: the same object on every call
   else:
+    hint = ""
+    if hasattr(inner, "gradient_transformation"):  # e.g. optax.MultiSteps
+      hint = (
+        " For gradient accumulation wrap the other way, as torch accumulates: "
+        "jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner), k)."
+      )
     raise TypeError(
       "jaxamp: dynamic_loss_scale wraps an optax.GradientTransformation (e.g. "
-      f"optax.adam(1e-3)), got {type(inner).__name__}."
+      f"optax.adam(1e-3)), got {type(inner).__name__}.{hint}"
     )
   config = loss_scale_config(
     init_scale=init_scale,

@@ -239,7 +239,9 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
 
   Returns:
     ``loss_scale`` (float32, the scale the *next* loss will be multiplied by),
-    ``skipped`` (bool, whether the last update found inf/NaN and was skipped),
+    ``skipped`` (bool, whether the last update found inf/NaN and was skipped;
+    under ``jaxamp.accumulate_gradients`` it stays set through the next window,
+    so count ``skipped_steps``),
     ``skipped_steps`` (int32, total skipped updates: read this one, not
     ``nnx.Optimizer.step`` or ``TrainState.step``, which count skipped updates
     too) and ``consecutive_skipped_steps`` (int32, skipped since the last
