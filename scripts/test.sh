@@ -41,6 +41,11 @@ if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
 else
   tar -C "$root" --exclude=./jaxamp --exclude='./.venv*' -cf - . | tar -C "$work/repo" -xf -
 fi
+# The torch reference beside the checkout (as CI has it), beside the copy too, so
+# that tests/test_fixtures.py compares the vendored fixtures with it.
+if [ -d "$root/../shared" ]; then
+  ln -s "$(cd "$root/../shared" && pwd)" "$work/shared"
+fi
 cd "$work/repo"
 # -P: not the current directory first on sys.path; there is no jaxamp/ here anyway.
 installed="$("$venv/bin/python" -P -c 'import jaxamp, os; print(os.path.dirname(jaxamp.__file__))')"

@@ -404,8 +404,10 @@ def test_grad_scaler_scale_nested_outputs_matches_torch(form):
     got = jax.tree.map(lambda t: jaxamp.scale_loss(t, state), _nested(j0, j1))
   else:
     jscaler = jaxamp.GradScaler(init_scale=2.0)
-    scale = jscaler.scale if form == "eager" else jax.jit(lambda o: jscaler.scale(o))
-    got = scale(_nested(j0, j1))
+    if form == "eager":
+      got = jscaler.scale(_nested(j0, j1))
+    else:  # the scaler passed in, as under jit it must be
+      got = jax.jit(lambda s, o: s.scale(o))(jscaler, _nested(j0, j1))
   _assert_same_nested(got, outputs)
 
 
