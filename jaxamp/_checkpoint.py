@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 from jaxamp._config import (
   FLOAT_OVERFLOW_MESSAGE,
@@ -40,13 +39,18 @@ from jaxamp._config import (
   check_scale,
 )
 from jaxamp._core import int32_array, scale_array
-from jaxamp._state_access import field_array, find_loss_scale_state, opt_state_of
+from jaxamp._state_access import (
+  INJECT_STATES,
+  field_array,
+  find_loss_scale_state,
+  is_loss_scale_state,
+  opt_state_of,
+)
 from jaxamp._transform import DynamicLossScaleState
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 HYPERPARAMETERS = ("growth_factor", "backoff_factor", "growth_interval")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 EMPTY_STATE_DICT_MESSAGE = (
   "The source state dict is empty, possibly because it was saved from a "
@@ -145,7 +149,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
 
 
 def _is_recorder(x: Any) -> bool:
-  return isinstance(x, (DynamicLossScaleState, *_INJECT_STATES))
+  return isinstance(x, (DynamicLossScaleState, *INJECT_STATES))
 
 
 def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
@@ -153,7 +157,7 @@ def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
   jaxamp state, the innermost last."""
   found: dict[str, Any] = {}
   for node in jax.tree.leaves(opt_state, is_leaf=_is_recorder):
-    if isinstance(node, _INJECT_STATES) and any(
+    if isinstance(node, INJECT_STATES) and any(
       isinstance(x, DynamicLossScaleState)
       for x in jax.tree.leaves(node.inner_state, is_leaf=_is_recorder)
     ):
@@ -249,10 +253,6 @@ def _with_value(field: Any, value: jax.Array) -> Any:
   return jax.tree.map(lambda _: value, field)
 
 
-def _is_loss_scale_state(x: Any) -> bool:
-  return isinstance(x, DynamicLossScaleState)
-
-
 def load_state_dict(
   opt_state: Any,
   state_dict: Mapping[str, Any],
@@ -309,11 +309,11 @@ def load_state_dict(
   tracker = int32_array(checked["_growth_tracker"])
 
   def replace(node: Any) -> Any:
-    if not _is_loss_scale_state(node):
+    if not is_loss_scale_state(node):
       return node
     return node._replace(
       loss_scale=_with_value(node.loss_scale, scale),
       growth_tracker=_with_value(node.growth_tracker, tracker),
     )
 
-  return jax.tree.map(replace, opt_state, is_leaf=_is_loss_scale_state)
+  return jax.tree.map(replace, opt_state, is_leaf=is_loss_scale_state)

@@ -26,6 +26,11 @@ def _compiled(fn: Callable, static: Hashable, treedef: Any, others: tuple, array
   return fn(static, *jax.tree.unflatten(treedef, leaves))
 
 
+def traced(tree: Any) -> bool:
+  """Whether any leaf of ``tree`` is being traced (by ``jit``, ``grad``, ...)."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
 def _hashable(value: Any) -> bool:
   try:
     hash(value)

@@ -91,15 +91,15 @@ class LossScaleConfig:
   def recorded(self) -> LossScaleConfig:
     """This configuration with each array value replaced by ``INJECTED``."""
     return self.replace(
-      **{name: INJECTED for name in NUMERIC_FIELDS if _is_array(getattr(self, name))}
+      **{name: INJECTED for name in NUMERIC_FIELDS if is_array(getattr(self, name))}
     )
 
   def arrays(self) -> dict[str, Any]:
     """The array-valued fields (injected hyperparameters), by name."""
-    return {name: getattr(self, name) for name in NUMERIC_FIELDS if _is_array(getattr(self, name))}
+    return {name: getattr(self, name) for name in NUMERIC_FIELDS if is_array(getattr(self, name))}
 
 
-def _is_array(value: Any) -> bool:
+def is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
 
 
@@ -107,7 +107,7 @@ def _concrete(value: Any) -> Any:
   """A Python number for a number or concrete array scalar; None when traced."""
   if isinstance(value, np.generic):
     return value.item()
-  if isinstance(value, jax.core.Tracer) or not _is_array(value):
+  if isinstance(value, jax.core.Tracer) or not is_array(value):
     return value
   if value.shape != ():
     raise ValueError(
@@ -123,7 +123,7 @@ def python_number(name: str, value: Any, *, integer: bool = False) -> int | floa
     hint = ""
     if isinstance(value, str):
       hint = " jaxamp.GradScaler takes no device argument: drop it."
-    elif _is_array(value):
+    elif is_array(value):
       hint = " GradScaler keeps its hyperparameters as static Python numbers."
     raise TypeError(
       f"jaxamp: {name} must be {'an int' if integer else 'a real Python number'}, "
@@ -179,8 +179,8 @@ def _integer(name: str, value: Any, minimum: int | None) -> int | None:
     raise ValueError(f"jaxamp: {name} must be >= {minimum}, got {concrete!r}.")
   # An int32 counter must reach it; an int32 array must hold it (a Python int
   # interval beyond int32 is torch's "never grows").
-  too_big = concrete > INT32_MAX and (minimum is not None or _is_array(value))
-  if too_big or (concrete < INT32_MIN and _is_array(value)):
+  too_big = concrete > INT32_MAX and (minimum is not None or is_array(value))
+  if too_big or (concrete < INT32_MIN and is_array(value)):
     raise ValueError(
       f"jaxamp: {name}={concrete!r} does not fit the int32 counters; use at most {INT32_MAX}."
     )
@@ -194,7 +194,7 @@ def check_factor(name: str, value: Any) -> None:
     raise TypeError(
       f"jaxamp: {name} must be a real Python number, got {type(value).__name__} {value!r}."
     )
-  if _is_array(value) and value.shape != ():
+  if is_array(value) and value.shape != ():
     raise ValueError(
       f"jaxamp: {name} must be a scalar, got an array of shape {value.shape}; pass one number."
     )
@@ -327,7 +327,7 @@ def check_new_scale(new_scale: Any) -> jax.Array:
     )
   if isinstance(new_scale, numbers.Real):
     value = float(new_scale)
-  elif _is_array(new_scale) or isinstance(new_scale, np.generic):
+  elif is_array(new_scale) or isinstance(new_scale, np.generic):
     array = new_scale if isinstance(new_scale, jax.Array) else np.asarray(new_scale)
     if array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
       raise ValueError(

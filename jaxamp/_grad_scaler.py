@@ -24,11 +24,12 @@ import numpy as np
 from jax import lax
 
 from jaxamp._checkpoint import STATE_DICT_KEYS, check_state_dict
-from jaxamp._compile import call_compiled
+from jaxamp._compile import call_compiled, traced
 from jaxamp._config import (
   LossScaleConfig,
   check_flag,
   check_new_scale,
+  is_array,
   loss_scale_config,
   python_number,
 )
@@ -86,10 +87,6 @@ _OWNER_LOCK = threading.Lock()
 _DISABLED = LossScaleConfig(
   enabled=False, growth_factor=_UNSET, backoff_factor=_UNSET, growth_interval=_UNSET
 )
-
-
-def _is_array(value: Any) -> bool:
-  return isinstance(value, (jax.Array, np.ndarray))
 
 
 def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
@@ -282,7 +279,7 @@ class GradScaler:
     constant and ``update`` would leak a tracer into the Python object."""
     if isinstance(self._core.loss_scale, jax.core.Tracer):
       return
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+    if traced(values):
       raise RuntimeError(
         f"jaxamp: GradScaler.{funcname}() ran inside a traced function on a scaler "
         "captured from outside it, whose scale would stay frozen. Pass the scaler "
@@ -315,7 +312,7 @@ class GradScaler:
 
     def apply(value):
       nonlocal found_array
-      if _is_array(value):
+      if is_array(value):
         found_array = True
         return multiply_by_scale(value, self._core.loss_scale)
       if isinstance(value, (list, tuple)):
@@ -452,9 +449,7 @@ class GradScaler:
     if not found_infs:
       raise RuntimeError(_NO_CHECKS_UPDATE)
     found_inf = functools.reduce(jnp.logical_or, found_infs)
-    eager = not any(
-      isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((self._core, found_inf))
-    )
+    eager = not traced((self._core, found_inf))
     core = call_compiled(_advance, (self._config, eager), self._core, found_inf)
     if eager:
       check_skip_limit(core, self._config)

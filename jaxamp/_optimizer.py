@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._validation import is_none
+
 _KEYS = itertools.count()
 
 
@@ -150,15 +152,11 @@ def updated(
   return optax.apply_updates(params, updates), opt_state
 
 
-def _is_none(value: Any) -> bool:
-  return value is None
-
-
 def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:
   """``flags`` (one per array leaf of ``grads``) as one per array leaf of
   ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
-  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
-  param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
+  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
+  param_leaves, params_def = jax.tree.flatten(params, is_leaf=is_none)
   if grads_def != params_def:  # type: ignore[operator]
     return None
   if all(g is not None and p is not None for g, p in zip(grad_leaves, param_leaves)):

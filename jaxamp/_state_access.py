@@ -7,12 +7,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxamp._scaling import multiply_by_scale
 from jaxamp._transform import DynamicLossScaleState
 
+# The optax wrappers that hold a transformation's state as their inner_state.
+INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
-def _is_loss_scale_state(x: Any) -> bool:
+
+def is_loss_scale_state(x: Any) -> bool:
   return isinstance(x, DynamicLossScaleState)
 
 
@@ -36,8 +40,8 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
   """
   found = [
     node
-    for node in jax.tree.leaves(opt_state_of(opt_state), is_leaf=_is_loss_scale_state)
-    if _is_loss_scale_state(node)
+    for node in jax.tree.leaves(opt_state_of(opt_state), is_leaf=is_loss_scale_state)
+    if is_loss_scale_state(node)
   ]
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"

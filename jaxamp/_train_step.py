@@ -18,10 +18,10 @@ from jaxamp._accumulation import (
   window_ends,
   within_window,
 )
-from jaxamp._compile import call_compiled
+from jaxamp._compile import call_compiled, traced
 from jaxamp._core import check_skip_limit
 from jaxamp._groups import skipped_leaves
-from jaxamp._state_access import find_loss_scale_state
+from jaxamp._state_access import INJECT_STATES, find_loss_scale_state
 from jaxamp._transform import (
   KNOWN_CHECK,
   DynamicLossScaleState,
@@ -32,7 +32,6 @@ from jaxamp._transform import (
 from jaxamp._unscale import rounded, runtime_zero
 from jaxamp._validation import check_float_gradients, check_same_structure
 
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 _IN_FRONT = (
   "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
   "the gradients as given ({}). Put other transformations inside it, "
@@ -53,7 +52,7 @@ def _check_sees_grads_as_given(opt_state: Any) -> None:
       name = "optax.MultiSteps" if isinstance(node, optax.MultiStepsState) else "an inner"
       what = "accumulates them first; only an outermost jaxamp.accumulate_gradients can"
       raise ValueError(_IN_FRONT.format(f"{name} around it {what}"))  # noqa: TRY004
-    if isinstance(node, _INJECT_STATES):
+    if isinstance(node, INJECT_STATES):
       node = node.inner_state
     elif type(node) is tuple and node:  # optax.chain
       node = node[0]
@@ -151,7 +150,7 @@ def apply_scaled_updates(
     _check_sees_grads_as_given(opt_state)
   check_float_gradients(grads)
   check_same_structure(grads, params)
-  eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((grads, opt_state)))
+  eager = not traced((grads, opt_state))
   arguments = (grads, opt_state, params, extra_args)
   new_params, new_state = call_compiled(_apply_scaled_updates, (tx, eager), *arguments)
   if eager:  # outside jit: a clear error, and the caller's state as it was

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._compile import call_compiled
+from jaxamp._compile import call_compiled, traced
 from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
@@ -331,7 +331,7 @@ def dynamic_loss_scale(
       )
       check_same_structure(updates, shapes)
     arguments = (updates, state, params, extra_args, known, config.arrays())
-    eager = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((updates, state)))
+    eager = not traced((updates, state))
     updates, new_state = call_compiled(_update, (*static, eager), *arguments)
     if eager:  # outside jit: a clear error, and the caller's state as it was
       check_skip_limit(core_of(new_state), config)

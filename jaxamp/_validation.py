@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _is_none(x: Any) -> bool:
+def is_none(x: Any) -> bool:
   return x is None
 
 
@@ -34,14 +34,14 @@ def check_same_structure(grads: Any, params: Any) -> None:
   """
   if params is None:
     return
-  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=_is_none)
-  param_leaves, params_def = jax.tree.flatten(params, is_leaf=_is_none)
+  grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
+  param_leaves, params_def = jax.tree.flatten(params, is_leaf=is_none)
   if grads_def != params_def:  # type: ignore[operator]
     raise ValueError(
       "jaxamp: the gradient tree does not match the parameter tree.\n"
       f"  gradients:  {grads_def}\n  parameters: {params_def}"
     )
-  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)[0]
+  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   for (path, _), grad, param in zip(paths, grad_leaves, param_leaves):
     grad_shape, param_shape = getattr(grad, "shape", None), getattr(param, "shape", None)
     if grad is not None and param is not None and grad_shape != param_shape:
@@ -67,8 +67,8 @@ def check_leaf_count(grads: Any, nonfinite_leaves: jax.Array) -> None:
 def check_no_none_gradients(grads: Any, params: Any) -> None:
   """Raises ValueError naming the first parameter whose gradient is ``None``:
   an optax update needs a gradient for every parameter it steps."""
-  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)[0]
-  grad_leaves = jax.tree.leaves(grads, is_leaf=_is_none)
+  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+  grad_leaves = jax.tree.leaves(grads, is_leaf=is_none)
   for (path, param), grad in zip(paths, grad_leaves):
     if grad is None and param is not None:
       raise ValueError(
