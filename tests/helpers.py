@@ -190,3 +190,31 @@ def run_front_end(
   inner = optax.sgd(0.1) if inner is None else inner
   run = {"optax": _run_optax, "grad_scaler": _run_grad_scaler}[front_end]
   return run(options, steps, params, inner, jit)
+
+
+def jitted_unscale_loop(scaler, injections):
+  """The README's clipping loop (``unscale_``, then ``step``, ``update``) jitted
+  over Adam on a 3-vector, its first gradient multiplied by each injection, no
+  host transfer allowed. Returns the scaler, the optimizer, the scale after
+  each iteration and the number of traces."""
+  opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
+  traces = []
+
+  @jax.jit
+  def train_step(scaler, opt, x, inject):
+    traces.append(1)
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum((p["w"] * x) ** 2)))(opt.params)
+    opt.grads = {"w": opt.grads["w"].at[0].multiply(inject)}
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return scaler, opt
+
+  x = jnp.array([0.5, 1.0, 1.5])
+  scales = []
+  with jax.transfer_guard("disallow"):
+    for inject in injections:
+      scaler, opt = train_step(scaler, opt, x, inject)
+      scales.append(scaler.loss_scale)
+  return scaler, opt, scales, len(traces)

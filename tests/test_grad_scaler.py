@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import bits
+from helpers import bits, jitted_unscale_loop
 
 import jaxamp
 
@@ -506,32 +506,15 @@ def test_grad_scaler_stage_survives_a_jit_boundary():
 
 
 def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
-  scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
-  opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
-  traces = []
-
-  @jax.jit
-  def train_step(scaler, opt, x, inject):
-    traces.append(1)
-    opt.zero_grad()
-    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum((p["w"] * x) ** 2)))(opt.params)
-    opt.grads = {"w": opt.grads["w"].at[0].multiply(inject)}
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    return scaler, opt
-
-  x = jnp.array([0.5, 1.0, 1.5])
   injections = [jnp.float32(v) for v in (1, 1, jnp.inf, 1, 1, jnp.nan, 1, 1)]
-  scales = []
-  with jax.transfer_guard("disallow"):
-    for inject in injections:
-      scaler, opt = train_step(scaler, opt, x, inject)
-      scales.append(scaler.loss_scale)
-  assert len(traces) == 1
+  scaler, opt, scales, traces = jitted_unscale_loop(
+    jaxamp.GradScaler(init_scale=8.0, growth_interval=2), injections
+  )
+  assert traces == 1
   assert [float(s) for s in scales] == [8.0, 16.0, 8.0, 8.0, 16.0, 8.0, 8.0, 16.0]
 
   # The same iterations called one by one, outside jit, give the same bits.
+  x = jnp.array([0.5, 1.0, 1.5])  # as in jitted_unscale_loop
   eager_scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
   eager_opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
   for inject in injections:

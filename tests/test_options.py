@@ -11,7 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import FRONT_ENDS, PARAMS, bits, filled, make_grads, run_front_end
+from helpers import (
+  FRONT_ENDS,
+  PARAMS,
+  bits,
+  filled,
+  jitted_unscale_loop,
+  make_grads,
+  run_front_end,
+)
 
 import jaxamp
 
@@ -444,29 +452,9 @@ def test_grad_scaler_jitted_iteration_with_options_compiles_once_without_transfe
     "max_consecutive_skips": 5,
     "detect_unscale_overflow": True,
   }
-  scaler = jaxamp.GradScaler(**kwargs)
-  opt = jaxamp.Optimizer(optax.adam(0.1), {"w": jnp.array([1.0, -2.0, 3.0])})
-  traces = []
-
-  @jax.jit
-  def train_step(scaler, opt, x, inject):
-    traces.append(1)
-    opt.zero_grad()
-    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum((p["w"] * x) ** 2)))(opt.params)
-    opt.grads = {"w": opt.grads["w"].at[0].multiply(inject)}
-    scaler.unscale_(opt)
-    scaler.step(opt)
-    scaler.update()
-    return scaler, opt
-
-  x = jnp.array([0.5, 1.0, 1.5])
   injections = [jnp.float32(v) for v in (1, jnp.inf, 1, 1, 1, 1, jnp.nan, jnp.inf, jnp.inf, 1)]
-  scales = []
-  with jax.transfer_guard("disallow"):
-    for inject in injections:
-      scaler, opt = train_step(scaler, opt, x, inject)
-      scales.append(scaler.loss_scale)
-  assert len(traces) == 1
+  scaler, opt, scales, traces = jitted_unscale_loop(jaxamp.GradScaler(**kwargs), injections)
+  assert traces == 1
   # hysteresis 2 refilled on every clean update: one overflow is absorbed, two
   # in a row back off; growth every 2 clean updates, capped at 16, floored at 1.
   assert [float(s) for s in scales] == [8, 8, 8, 16, 16, 16, 16, 8, 4, 4]
