@@ -11,6 +11,7 @@ import optax
 
 from jaxamp._config import LossScaleConfig
 from jaxamp._scale_update import update_loss_scale
+from jaxamp._skip_limit import check_in_computation, check_on_host
 
 
 class LossScaleCore(NamedTuple):
@@ -82,9 +83,10 @@ def advance(
       every finite update with ``consecutive_hysteresis``), decremented by an
       absorbed overflow, kept on a backoff.
 
-  The counters advance, and reaching ``max_consecutive_skips`` raises from the
-  computation (``eager``: the caller raises with :func:`check_skip_limit` after
-  it, before it changes anything). With the defaults this is exactly torch's
+  The counters advance, and reaching ``max_consecutive_skips`` fails the
+  computation, or is a ``checkify`` error under ``checkify`` (``eager``: the
+  caller raises with :func:`check_skip_limit` after it, before it changes
+  anything). With the defaults this is exactly torch's
   ``_amp_update_scale_``.
   """
   found_inf = jnp.asarray(found_inf, bool)
@@ -117,45 +119,15 @@ def advance(
     ),
   )
   if config.max_consecutive_skips is not None and not eager:
-    _check_skip_limit(new, config.max_consecutive_skips)
+    check_in_computation(
+      new.consecutive_skipped_steps, new.update_count, new.loss_scale, config.max_consecutive_skips
+    )
   return new
-
-
-def _too_many_skips(consecutive, step, scale, limit) -> str:
-  return (
-    f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
-    f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
-    f"update {int(step)}, with the loss scale now {float(scale)!r}. The loss itself "
-    "is probably inf/NaN; check the model and data, or lower the learning rate."
-  )
-
-
-def _raise_too_many_skips(consecutive, step, scale, limit):
-  raise FloatingPointError(_too_many_skips(consecutive, step, scale, limit))
 
 
 def check_skip_limit(core: LossScaleCore, config: LossScaleConfig) -> None:
   """Outside ``jit``: raises ``RuntimeError`` when ``core`` (after an update,
   not yet stored) has reached ``max_consecutive_skips`` (a host read)."""
-  limit = config.max_consecutive_skips
-  if limit is not None and int(core.consecutive_skipped_steps) >= limit:
-    message = _too_many_skips(
-      core.consecutive_skipped_steps, core.update_count, core.loss_scale, limit
-    )
-    raise RuntimeError(message + " Nothing was changed.")
-
-
-def _check_skip_limit(core: LossScaleCore, limit) -> None:
-  """Raises from the computation when ``limit`` updates in a row were skipped
-  (a host callback that runs only on that update)."""
-  jax.lax.cond(
-    core.consecutive_skipped_steps >= limit,
-    lambda: jax.debug.callback(
-      _raise_too_many_skips,
-      core.consecutive_skipped_steps,
-      core.update_count,
-      core.loss_scale,
-      limit,
-    ),
-    lambda: None,
+  check_on_host(
+    core.consecutive_skipped_steps, core.update_count, core.loss_scale, config.max_consecutive_skips
   )

@@ -432,7 +432,8 @@ class GradScaler:
     Raises:
       RuntimeError: before any ``scale()``; no ``unscale_``/``step`` recorded
         an inf check since the last update; a ``new_scale`` beyond float32;
-        ``max_consecutive_skips`` reached (from the computation).
+        ``max_consecutive_skips`` reached (from the computation under ``jit``;
+        a ``checkify`` error under ``checkify``).
       TypeError, ValueError: a ``new_scale`` of the wrong kind or not finite.
     """
     if not self._enabled:

@@ -235,7 +235,8 @@ def dynamic_loss_scale(
       before a backoff; each is still skipped (docs/grad_scaler.md, "Options").
     consecutive_hysteresis: DeepSpeed's variant of ``hysteresis``.
     max_consecutive_skips: (not in torch) this many skipped steps in a row
-      raise from the jitted step.
+      fail the jitted step, or are a ``checkify`` error when the step is
+      checkified (docs/protections.md).
     detect_unscale_overflow: (not in torch) also skip when unscaling itself
       overflows (docs/torch_semantics.md §3.2).
     schedule_counts: ``"applied"`` (optax's way, the default): a skipped step

@@ -1,0 +1,104 @@
+"""The ``max_consecutive_skips`` error: one message, raised on the host, from a
+jitted computation, or returned as data under ``jax.experimental.checkify``.
+
+Inside ``jit`` the check is one primitive with two meanings:
+
+- lowered as it is, it is a host callback that raises when the limit is
+  reached (the computation fails, so JAX deletes any donated input);
+- under ``checkify.checkify(step)`` it is a ``checkify`` error: the step
+  completes, returns valid params and optimizer state (a skipped step leaves
+  them unchanged), and ``err.throw()`` raises with jaxamp's text first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import checkify as _checkify
+from jax._src import core as _jax_core
+from jax._src import debugging as _debugging
+from jax.interpreters import batching, mlir
+
+_FIX = "The loss itself is probably inf/NaN; check the model and data, or lower the learning rate."
+
+
+def skip_limit_message(consecutive, update, scale, limit) -> str:
+  """The error's text (one line) for ``consecutive`` skips at ``update``."""
+  return (
+    f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
+    f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
+    f"update {int(update)}, with the loss scale now {float(scale)!r}. {_FIX}"
+  )
+
+
+def check_on_host(consecutive, update, scale, limit: int | None) -> None:
+  """Outside ``jit``: raises ``RuntimeError`` when ``consecutive`` (a value not
+  yet stored) reached ``limit`` (a host read)."""
+  if limit is not None and int(consecutive) >= limit:
+    message = skip_limit_message(consecutive, update, scale, limit)
+    raise RuntimeError(message + " Nothing was changed.")
+
+
+class SkipLimitError(_checkify.FailedCheckError):
+  """The ``checkify`` form of the error (a user check: on by default)."""
+
+  def __str__(self):
+    message = skip_limit_message(*self.args)
+    return message.replace(
+      f" {_FIX}",
+      " The params and optimizer state this step returned are valid: the skipped "
+      f"steps left them unchanged. {_FIX}",
+    )
+
+
+def _raise(consecutive, update, scale, limit):
+  message = skip_limit_message(consecutive, update, scale, limit)
+  raise FloatingPointError(
+    message + " To keep donated params and optimizer state when this happens, wrap "
+    "the jitted step in jax.experimental.checkify.checkify and call err.throw() "
+    "after it (docs/protections.md)."
+  )
+
+
+def _staged(consecutive, update, scale, limit):
+  jax.lax.cond(
+    consecutive >= limit,
+    lambda: jax.debug.callback(_raise, consecutive, update, scale, limit),
+    lambda: None,
+  )
+  return []
+
+
+def _as_checkify_error(error, enabled_errors, consecutive, update, scale, limit):
+  del enabled_errors  # a user check (FailedCheckError's effect): checkify's default
+  new = SkipLimitError(_checkify.get_traceback(), "", consecutive, update, scale, limit)
+  return _checkify.assert_func(error, consecutive >= limit, new), []
+
+
+def _batched(args, dims):
+  """Under ``vmap``: the check of the member closest to (or past) its limit."""
+  values = jnp.broadcast_arrays(
+    *(batching.bdim_at_front(a, d, 1) if d is not None else a for a, d in zip(args, dims))
+  )
+  consecutive, _, _, limit = (x.reshape(-1) for x in values)
+  worst = jnp.argmax(consecutive - limit)
+  _skip_limit_p.bind(*(x.reshape(-1)[worst] for x in values))
+  return [], []
+
+
+_DTYPES = (jnp.int32, jnp.int32, jnp.float32, jnp.int32)
+_skip_limit_p = _jax_core.Primitive("jaxamp_skip_limit")
+_skip_limit_p.multiple_results = True
+_skip_limit_p.def_effectful_abstract_eval(lambda *_: ([], {_debugging.debug_effect}))
+_skip_limit_p.def_impl(_staged)
+mlir.register_lowering(_skip_limit_p, mlir.lower_fun(_staged, multiple_results=True))
+batching.primitive_batchers[_skip_limit_p] = _batched
+_checkify.error_checks[_skip_limit_p] = _as_checkify_error
+
+
+def check_in_computation(consecutive, update, scale, limit) -> None:
+  """Inside ``jit``: fails the computation when ``consecutive >= limit``, or
+  records a ``checkify`` error when the step is checkified."""
+  _skip_limit_p.bind(
+    *(jnp.asarray(x, dtype) for x, dtype in zip((consecutive, update, scale, limit), _DTYPES))
+  )
