@@ -5,7 +5,12 @@ gradients; the table gives the median step time, its spread (p10-p90), the
 ratio to plain ``optax.adam`` of the same configuration and the compile time.
 
   PYTHONPATH=. python benchmarks/bench_step.py --quick
-  PYTHONPATH=. python benchmarks/bench_step.py --sizes 25m/200 --grads f32 --repeats 30
+  PYTHONPATH=. python benchmarks/bench_step.py --mixes lognormal/25m/200 --grads f32 --repeats 30
+
+Leaf-size mixes (``--mixes``, benchmarks/model_shapes.py): equal sizes
+(``equal/25m/200``: 25M params in 200 leaves), lognormal sizes (sigma 1), and
+the parameter shapes of GPT-2 small, ResNet-50 and ViT-B/16. Grads are float32,
+float16 or bfloat16 (``--grads f32,f16,bf16``); params are float32.
 
 Contenders (``--contenders``, comma separated):
   adam            plain optax.adam + apply_updates (the baseline, ratio 1)
@@ -49,8 +54,10 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import jaxamp
+from model_shapes import MIXES, describe
 
-SIZES = {"1m/4": (1_000_000, 4), "25m/200": (25_000_000, 200), "25m/2000": (25_000_000, 2000)}
+GRAD_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": jnp.bfloat16}
+
 ALL = [
   "adam",
   "jaxamp",
@@ -68,13 +75,9 @@ SCALE = 2.0**16
 LR = 1e-3
 
 
-def make_tree(n_params, n_leaves, dtype, seed, scale=1.0):
-  per_leaf = n_params // n_leaves
+def make_tree(shapes, dtype, seed, scale=1.0):
   rng = np.random.default_rng(seed)
-  return [
-    (rng.standard_normal((per_leaf // 250, 250), np.float32) * scale).astype(dtype)
-    for _ in range(n_leaves)
-  ]
+  return [(rng.standard_normal(s, np.float32) * scale).astype(dtype) for s in shapes]
 
 
 # ---------------------------------------------------------------- JAX steps
@@ -189,12 +192,13 @@ class TorchStep:
 
 
 def run_config(size, grad_dtype, contenders, repeats, budget):
-  n_params, n_leaves = SIZES[size]
-  dtype = {"f32": np.float32, "f16": np.float16}[grad_dtype]
-  params = [jnp.asarray(x) for x in make_tree(n_params, n_leaves, np.float32, 0)]
-  finite = make_tree(n_params, n_leaves, dtype, 1, scale=4.0)
+  shapes = MIXES[size]()
+  dtype = GRAD_DTYPES[grad_dtype]
+  params = [jnp.asarray(x) for x in make_tree(shapes, np.float32, 0)]
+  finite = make_tree(shapes, dtype, 1, scale=4.0)
   skipped = [x.copy() for x in finite]
-  skipped[n_leaves // 2][0, 7] = np.inf
+  middle = skipped[len(shapes) // 2]
+  middle.reshape(-1)[middle.size // 2] = np.inf
   grads_np = [finite, skipped]
   grads = [[jnp.asarray(x) for x in g] for g in grads_np]
   rows, runners = [], {}
@@ -275,17 +279,17 @@ def main():
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
-  parser.add_argument("--sizes", default="1m/4,25m/200,25m/2000")
+  parser.add_argument("--mixes", default=",".join(MIXES), help=f"of: {', '.join(MIXES)}")
   parser.add_argument("--grads", default="f32,f16")
   parser.add_argument(
     "--contenders", default=None, help="default: all (slow ones not at 2000 leaves)"
   )
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--compile-budget", type=float, default=300.0)
-  parser.add_argument("--quick", action="store_true", help="1m/4 only, f32 and f16, 5 repeats")
+  parser.add_argument("--quick", action="store_true", help="equal/1m/4 only, 5 repeats")
   args = parser.parse_args()
   if args.quick:
-    args.sizes, args.repeats = "1m/4", 5
+    args.mixes, args.repeats = "equal/1m/4", 5
   print(
     f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, "
     f"jax {jax.__version__}, optax {optax.__version__}, repeats {args.repeats}, "
@@ -293,12 +297,14 @@ def main():
     flush=True,
   )
   table = []
-  for size in args.sizes.split(","):
+  for size in args.mixes.split(","):
+    print(f"# {size}: {describe(MIXES[size]())}", flush=True)
     for grad_dtype in args.grads.split(","):
       if args.contenders:
         names = args.contenders.split(",")
       else:
-        names = [n for n in ALL if not (SIZES[size][1] >= 2000 and n in SLOW_AT_MANY_LEAVES)]
+        many = len(MIXES[size]()) >= 2000
+        names = [n for n in ALL if not (many and n in SLOW_AT_MANY_LEAVES)]
       rows = run_config(size, grad_dtype, names, args.repeats, args.compile_budget)
       print_table(rows)
       table += rows

@@ -29,7 +29,7 @@ from jaxamp._transform import (
   check_gradients,
   core_of,
 )
-from jaxamp._unscale import rounded, runtime_zero
+from jaxamp._unscale import inverse_parts, rounded, runtime_zero
 from jaxamp._validation import check_float_gradients, check_same_structure
 
 _IN_FRONT = (
@@ -183,9 +183,10 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), new_state
   nonfinite, found_inf = check_gradients(grads, scale_state, config)
+  parts = inverse_parts(scale_state.loss_scale)  # outside the cond: see unscale_by
 
   def update(params, opt_state, found_inf):
-    check = KnownCheck(nonfinite, found_inf, eager)
+    check = KnownCheck(nonfinite, parts, found_inf, eager)
     return tx.update(grads, opt_state, params, **extra_args, **{KNOWN_CHECK: check})
 
   def skip(params, opt_state):

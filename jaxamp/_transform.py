@@ -16,7 +16,7 @@ from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
 from jaxamp._schedules import advance_schedule_counts
-from jaxamp._unscale import finite_leaves, rounded, runtime_zero, unscale
+from jaxamp._unscale import finite_leaves, inverse_parts, rounded, runtime_zero, unscale_by
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
 
 
@@ -67,18 +67,19 @@ def core_of(state: DynamicLossScaleState) -> LossScaleCore:
 class KnownCheck:
   """The check of the gradients, made by ``jaxamp.apply_scaled_updates`` in
   front of the transformation and passed to ``update`` as the extra argument
-  ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags and, static, ``found_inf`` and
+  ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags, the scale's ``inverse_parts``
+  (computed outside the caller's ``lax.cond``) and, static, ``found_inf`` and
   whether the call is eager (then the caller checks the skip limit after it)."""
 
-  def __init__(self, nonfinite: jax.Array, found_inf: bool, eager: bool):
-    self.nonfinite, self.found_inf, self.eager = nonfinite, found_inf, eager
+  def __init__(self, nonfinite: jax.Array, parts: tuple, found_inf: bool, eager: bool):
+    self.nonfinite, self.parts, self.found_inf, self.eager = nonfinite, parts, found_inf, eager
 
   def tree_flatten(self):
-    return (self.nonfinite,), (self.found_inf, self.eager)
+    return (self.nonfinite, self.parts), (self.found_inf, self.eager)
 
   @classmethod
   def tree_unflatten(cls, static, children):
-    return cls(children[0], *static)
+    return cls(*children, *static)
 
 
 KNOWN_CHECK = "jaxamp_known_check"
@@ -131,14 +132,15 @@ def _update(static, grads, state, params, extra_args, known, injected):
     inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
   if known is None:
     nonfinite, found_inf = check_gradients(grads, state, config)
+    parts = inverse_parts(state.loss_scale)  # outside the cond: see unscale_by
   else:
-    nonfinite, found_inf = known.nonfinite, known.found_inf
+    nonfinite, found_inf, parts = known.nonfinite, known.found_inf, known.parts
   zero = runtime_zero(state.loss_scale)
 
   def apply(grads, inner_state, params):
     # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels;
     # `rounded` keeps each value rounded as torch materialises it (no FMA).
-    unscaled = jax.tree.map(lambda g: rounded(g, zero), unscale(grads, state.loss_scale))
+    unscaled = jax.tree.map(lambda g: rounded(g, zero), unscale_by(grads, parts))
     return inner.update(unscaled, inner_state, params, **extra_args)
 
   def skip(grads, inner_state, params):

@@ -32,7 +32,7 @@ def _subnormal_reciprocal_bits(bits: jax.Array) -> jax.Array:
   return floor + (high < jnp.left_shift(1, t - 23)).astype(jnp.int32)
 
 
-def _inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """torch's ``inv_scale``, and ``(high, low)`` with ``inv_scale == high * low``
   in exact arithmetic and both normal floats: XLA flushes a subnormal operand
   to zero, so ``g * inv_scale`` is computed as ``(g * high) * low``, which is
@@ -80,7 +80,7 @@ def inverse_scale(loss_scale: jax.Array) -> jax.Array:
     True
   """
   _check_loss_scale(loss_scale)
-  return _inverse_parts(loss_scale)[0]
+  return inverse_parts(loss_scale)[0]
 
 
 def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
@@ -155,7 +155,17 @@ def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array
 
 def unscale(grads: Any, loss_scale: jax.Array) -> Any:
   """``grads`` multiplied by torch's ``inv_scale`` (see :func:`unscale_and_check`)."""
-  parts = _inverse_parts(loss_scale)
+  return unscale_by(grads, inverse_parts(loss_scale))
+
+
+def unscale_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+  """:func:`unscale` with the scale's :func:`inverse_parts` computed already.
+
+  Inside ``jit``, compute them outside the ``lax.cond`` whose branch unscales:
+  XLA would otherwise fuse their scalar arithmetic (some 60 operations) into
+  every leaf's kernel, where it runs per element (4x slower on XLA CPU for
+  leaves of many sizes; BENCHMARKS.md, "Unscale factors").
+  """
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
