@@ -90,6 +90,26 @@ class _Interpreter:
     self.fp32 = fp32
     self.casts = 0  # converts of traced values this interpreter inserted
     self._cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
+    # id -> (value, kind): "lower" for the outputs of LOWER primitives,
+    # "broadcast" for broadcast_in_dim outputs larger than their input.
+    self._origin: dict[int, tuple[Any, str]] = {}
+
+  def _mark(self, x: Any, kind: str) -> Any:
+    self._origin[id(x)] = (x, kind)
+    return x
+
+  def _kind(self, x: Any) -> str | None:
+    hit = self._origin.get(id(x))
+    return hit[1] if hit is not None and hit[0] is x else None
+
+  def _is_bias_add(self, args: list[Any]) -> bool:
+    """``add(matmul_or_conv_output, b)`` with ``b`` broadcast to it (a bias)."""
+    if len(args) != 2:
+      return False
+    for out, b in (args, args[::-1]):
+      if self._kind(out) == "lower" and (self._kind(b) == "broadcast" or np.size(b) < np.size(out)):
+        return True
+    return False
 
   def fresh(self) -> _Interpreter:
     """An interpreter with the same policy and its own cache (for a nested trace)."""
@@ -150,6 +170,16 @@ class _Interpreter:
       return self.original(eqn, args)  # a higher-order primitive this file does not know
     if name == "convert_element_type":
       return eqn.primitive.bind(*args, **eqn.params)
+    if name == "broadcast_in_dim":
+      out = self._bind(eqn, args)
+      return self._mark(out, "broadcast") if np.size(args[0]) < np.size(out) else out
+    if name in LOWER:
+      return self._mark(self._bind(eqn, args), "lower")
+    return self._bind(eqn, args)
+
+  def _bind(self, eqn: Any, args: list[Any]) -> Any:
+    """The equation with the policy: inputs cast, the primitive re-bound."""
+    name = eqn.primitive.name
     floats = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
     if not floats:
       return eqn.primitive.bind(*args, **eqn.params)
@@ -166,6 +196,11 @@ class _Interpreter:
       for i in floats:
         if np.dtype(args[i].dtype) in HALF:
           args[i] = self.cast(args[i], F32)
+    elif name == "add" and self._is_bias_add(args):
+      # A bias added to a matmul or conv output: torch's linear, addmm and conv
+      # add their bias inside the op, in the lower dtype.
+      for i in floats:
+        args[i] = self.cast(args[i], self.dtype)
     else:
       self._promote(eqn, args, floats)
     now = [np.dtype(args[i].dtype) for i in floats]
