@@ -91,7 +91,7 @@ class _Interpreter:
     self.casts = 0  # converts of traced values this interpreter inserted
     self._cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
     # id -> (value, kind): "lower" for the outputs of LOWER primitives,
-    # "broadcast" for broadcast_in_dim outputs larger than their input.
+    # "broadcast" for values broadcast or reshaped to a higher rank (a bias).
     self._origin: dict[int, tuple[Any, str]] = {}
 
   def _mark(self, x: Any, kind: str) -> Any:
@@ -170,9 +170,11 @@ class _Interpreter:
       return self.original(eqn, args)  # a higher-order primitive this file does not know
     if name == "convert_element_type":
       return eqn.primitive.bind(*args, **eqn.params)
-    if name == "broadcast_in_dim":
+    if name in ("broadcast_in_dim", "reshape", "expand_dims"):
       out = self._bind(eqn, args)
-      return self._mark(out, "broadcast") if np.size(args[0]) < np.size(out) else out
+      x = args[0]
+      grows = np.ndim(x) < np.ndim(out) or np.size(x) < np.size(out)
+      return self._mark(out, "broadcast") if grows or self._kind(x) == "broadcast" else out
     if name in LOWER:
       return self._mark(self._bind(eqn, args), "lower")
     return self._bind(eqn, args)

@@ -239,3 +239,282 @@ def test_outputs_match_torch_within_half_rounding(model, half):
     worst = max(worst, diff)
     assert diff <= bound, (name, diff, bound)
   print(f"{model} {half}: max normwise relative difference {worst:.3g} (bound {bound:.3g})")
+
+
+# -- training: autocast + loss scaling against torch autocast + GradScaler ------------------
+
+
+def _mlp_loss(p, x, y):
+  return mlp_jax(p, x, y)["loss"]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("front_end", ["grad_scaler", "optax"])
+def test_training_matches_torch_autocast_and_grad_scaler(front_end):
+  torch = _torch()
+  p0 = _weights(MLP)
+  rng = np.random.default_rng(4)
+  data = [_mlp_data(rng) for _ in range(30)]
+  # 2**24: the first scaled backward passes overflow float16 and skip, as torch's;
+  # growth_interval=3 makes the scale grow back into overflow again and again.
+  args = {"init_scale": 2.0**24, "growth_interval": 3}
+
+  tp = {k: torch.tensor(v, requires_grad=True) for k, v in p0.items()}
+  opt = torch.optim.SGD(list(tp.values()), lr=0.05)
+  scaler = torch.amp.GradScaler("cpu", **args)
+  torch_scales = []
+  for x, y in data:
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+      loss = mlp_torch(torch.nn.functional, tp, torch.tensor(x), torch.tensor(y))["loss"]
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    torch_scales.append(scaler.get_scale())
+
+  loss_fn = jaxamp.autocast(_mlp_loss, jnp.float16, policy="cpu")
+  params = {k: jnp.asarray(v) for k, v in p0.items()}
+  scales = []
+  if front_end == "grad_scaler":
+
+    @jax.jit
+    def step(scaler, opt, x, y):
+      opt.grads = jax.grad(lambda p: scaler.scale(loss_fn(p, x, y)))(opt.params)
+      scaler.step(opt)
+      scaler.update()
+      return scaler, opt
+
+    jscaler, jopt = jaxamp.GradScaler(**args), jaxamp.Optimizer(optax.sgd(0.05), params)
+    for x, y in data:
+      jscaler, jopt = step(jscaler, jopt, x, y)
+      scales.append(jscaler.get_scale())
+    params = jopt.params
+  else:
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.05), **args)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+      grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), opt_state))(params)
+      params, opt_state = jaxamp.apply_scaled_updates(tx, grads, opt_state, params)
+      return params, opt_state
+
+    opt_state = tx.init(params)
+    for x, y in data:
+      params, opt_state = step(params, opt_state, x, y)
+      scales.append(float(jaxamp.get_loss_scale(opt_state)))
+
+  skipped = [b < a for a, b in zip([args["init_scale"], *torch_scales], torch_scales)]
+  assert sum(skipped) >= 5, "the run must overflow and skip several times"
+  assert scales == torch_scales  # the same overflows, so the same skips and scales
+  worst = max(
+    float(np.max(np.abs(np.asarray(params[k]) - tp[k].detach().numpy())) / np.max(np.abs(p0[k])))
+    for k in p0
+  )
+  # 30 float16-forward SGD steps: each update is lr * (a gradient whose half parts
+  # differ by ulps of float16), so the params drift apart by ~steps * lr * eps16 of
+  # their size; measured below 1e-4.
+  assert worst < 30 * 0.05 * EPS["float16"], worst
+  print(f"{front_end}: skips {sum(skipped)}/30, params max rel diff {worst:.3g}")
+
+
+# -- nested jaxprs: dtypes and gradients against the same casts written by hand ---------------
+
+H = jnp.float16
+W = jnp.asarray(np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32) / 2)
+X = jnp.asarray(np.random.default_rng(6).standard_normal((3, 4)).astype(np.float32))
+
+
+def _hand_dot(a, b):  # what the policy does to a matmul
+  return a.astype(H) @ b.astype(H)
+
+
+def _custom_exp_fn(dot):
+  @jax.custom_jvp
+  def f(w, x):
+    return jnp.exp(dot(x, w))
+
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    y = f(w, x)
+    return y, y * (dot(dx, w) + dot(x, dw))
+
+  return f
+
+
+# name: (f, the same with the policy's casts by hand, the dtype f's inner result has)
+NESTED = {
+  "jit": (
+    lambda w, x: jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x),
+    lambda w, x: jnp.tanh(_hand_dot(x, w)),
+  ),
+  "relu (custom_jvp)": (
+    lambda w, x: jax.nn.relu(x @ w),
+    lambda w, x: jax.nn.relu(_hand_dot(x, w)),
+  ),
+  "custom_jvp with exp": (  # exp is on the CUDA list: the primal is inlined
+    lambda w, x: _custom_exp_fn(jnp.matmul)(w, x),
+    lambda w, x: jnp.exp(_hand_dot(x, w).astype(jnp.float32)),
+  ),
+  "scan": (
+    lambda w, x: lax.scan(lambda c, xt: (jnp.tanh(c @ w + xt), None), x, x[None].repeat(3, 0))[0],
+    lambda w, x: lax.scan(
+      lambda c, xt: (jnp.tanh(_hand_dot(c, w) + xt).astype(jnp.float32), None),
+      x,
+      x[None].repeat(3, 0),
+    )[0],
+  ),
+  "cond": (
+    lambda w, x: lax.cond(x.sum() > 0, lambda x: jnp.sin(x @ w), lambda x: x * 2.0, x),
+    lambda w, x: lax.cond(
+      x.sum() > 0, lambda x: jnp.sin(_hand_dot(x, w)).astype(jnp.float32), lambda x: x * 2.0, x
+    ),
+  ),
+  "remat": (
+    lambda w, x: jax.checkpoint(lambda w, x: jnp.sin(x @ w))(w, x),
+    lambda w, x: jax.checkpoint(lambda w, x: jnp.sin(_hand_dot(x, w)))(w, x),
+  ),
+  "fori_loop": (
+    lambda w, x: lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ w), x),
+    lambda w, x: lax.fori_loop(0, 2, lambda i, c: jnp.tanh(_hand_dot(c, w)).astype(jnp.float32), x),
+  ),
+}
+
+
+def _sum_f32(f):
+  return lambda w, x: jnp.sum(f(w, x).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("name", sorted(NESTED))
+def test_nested_jaxprs_dtypes_and_gradients_match_hand_casts(name):
+  f, hand = NESTED[name]
+  ours = jaxamp.autocast(f)(W, X)
+  assert ours.dtype == hand(W, X).dtype
+  np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(hand(W, X), np.float32))
+  # the squared sum in float32 outside autocast: the gradient of the cast computation
+  g_ours = jax.grad(lambda w, x: _sum_f32(jaxamp.autocast(f))(w, x), argnums=(0, 1))(W, X)
+  g_hand = jax.grad(_sum_f32(hand), argnums=(0, 1))(W, X)
+  for a, b in zip(g_ours, g_hand):
+    assert a.dtype == b.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_relu_gradient_at_zero_is_its_custom_rule():
+  # jax.nn.relu's custom jvp gives 0 at 0 (a plain max would give 1/2): the rule survives
+  g = jax.grad(lambda x: jaxamp.autocast(lambda x: jax.nn.relu(x @ jnp.eye(2)).sum())(x))
+  np.testing.assert_array_equal(np.asarray(g(jnp.array([[0.0, 1.0]]))), [[0.0, 1.0]])
+
+
+def test_while_loop_carry_keeps_its_dtype():
+  def f(w, x):
+    return lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0))[0]
+
+  hand = lax.while_loop(
+    lambda c: c[1] < 3,
+    lambda c: (jnp.tanh(_hand_dot(c[0], W)).astype(jnp.float32), c[1] + 1),
+    (X, 0),
+  )[0]
+  ours = jaxamp.autocast(f)(W, X)
+  assert ours.dtype == jnp.float32  # the carry arrived float32 and stays float32
+  np.testing.assert_array_equal(np.asarray(ours), np.asarray(hand))
+
+
+def test_autocast_disabled_runs_a_region_in_float32():
+  def f(w, x):
+    h = x @ w
+    return h, jaxamp.autocast_disabled(lambda h: jnp.tanh(h @ w))(h)
+
+  h, inner = jaxamp.autocast(f)(W, X)
+  assert h.dtype == jnp.float16 and inner.dtype == jnp.float32
+  expected = jnp.tanh(_hand_dot(X, W).astype(jnp.float32) @ W)
+  np.testing.assert_array_equal(np.asarray(inner), np.asarray(expected))
+  assert jaxamp.autocast(f, enabled=False) is f
+
+
+# -- compositions, the cast cache, errors ---------------------------------------------------
+
+
+def _mlp_params():
+  return {k: jnp.asarray(v) for k, v in _weights(MLP).items()}
+
+
+def test_composes_with_jit_grad_vmap():
+  p = _mlp_params()
+  x, y = (jnp.asarray(a) for a in _mlp_data(np.random.default_rng(7)))
+  loss = jaxamp.autocast(_mlp_loss)
+  eager = jax.grad(loss)(p, x, y)
+  jitted = jax.jit(jax.grad(loss))(p, x, y)
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  per_example = jax.vmap(loss, in_axes=(None, 0, 0))(p, x[:, None], y[:, None])
+  single = jnp.stack([loss(p, x[i : i + 1], y[i : i + 1]) for i in range(x.shape[0])])
+  assert per_example.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(per_example), np.asarray(single), rtol=1e-6)
+  # autocast inside vmap and vmap inside autocast agree
+  inside = jaxamp.autocast(jax.vmap(_mlp_loss, in_axes=(None, 0, 0)))(p, x[:, None], y[:, None])
+  np.testing.assert_allclose(np.asarray(inside), np.asarray(per_example), rtol=1e-6)
+
+
+def test_composes_with_flax_nnx_modules_and_nnx_jit():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Sequential(
+    nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+  )
+  x = jnp.ones((3, 4))
+  assert jaxamp.autocast(model)(x).dtype == jnp.float16
+
+  @nnx.jit
+  def grads(model, x):
+    return nnx.grad(lambda m: jnp.mean(jaxamp.autocast(m)(x).astype(jnp.float32) ** 2))(model)
+
+  g = nnx.state(grads(model, x), nnx.Param)
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(g))
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _converts(jaxpr, dtype):
+  return sum(
+    1
+    for e in jaxpr.eqns
+    if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == dtype
+  )
+
+
+def test_a_weight_used_twice_is_cast_once():
+  def f(w, x):
+    return jnp.tanh(x @ w) @ w + x @ w.T  # w, its transpose and x: three float16 casts
+
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(W, X).jaxpr
+  assert _converts(jaxpr, jnp.float16) == 2 + 1  # w, x, and w.T (a different value)
+  hand = jax.make_jaxpr(lambda w, x: jnp.tanh(_hand_dot(x, w)) @ w.astype(H) + _hand_dot(x, w.T))(
+    W, X
+  )
+  assert _converts(jaxpr, jnp.float16) <= _converts(hand.jaxpr, jnp.float16)
+
+
+def test_bad_arguments_are_refused_with_the_fix_on_the_first_line():
+  with pytest.raises(ValueError, match=r"^autocast: dtype must be float16 or bfloat16, got"):
+    jaxamp.autocast(_mlp_loss, jnp.float32)
+  with pytest.raises(ValueError, match="dtype must be float16 or bfloat16"):
+    jaxamp.autocast(_mlp_loss, jnp.int32)
+  with pytest.raises(ValueError, match=r"^autocast: unknown policy 'tpu'"):
+    jaxamp.autocast(_mlp_loss, policy="tpu")
+  with pytest.raises(TypeError, match=r"^autocast: fn must be callable, got Array"):
+    jaxamp.autocast(_mlp_loss(_mlp_params(), X[:, :8].repeat(2, 1), jnp.zeros((3, 4))))
+  with pytest.raises(
+    TypeError, match=r"^autocast: '<lambda>' returned a str, not a pytree of arrays"
+  ):
+    jaxamp.autocast(lambda x: "done")(X)
+
+
+def test_unknown_primitives_run_in_their_input_dtypes():
+  # sort and cumsum's neighbours: not on any list (CPU policy), they keep float16
+  out = jaxamp.autocast(lambda w, x: jnp.sort(jnp.abs(x @ w), -1), policy="cpu")(W, X)
+  assert out.dtype == jnp.float16
+  # a float16 value into a bit-level primitive runs as the original jaxpr had it
+  bits = jaxamp.autocast(lambda w, x: lax.bitcast_convert_type(x @ w, jnp.int32))(W, X)
+  np.testing.assert_array_equal(
+    np.asarray(bits),
+    np.asarray(lax.bitcast_convert_type(_hand_dot(X, W).astype(jnp.float32), jnp.int32)),
+  )
