@@ -342,7 +342,24 @@ def _custom_exp_fn(dot):
   return f
 
 
-# name: (f, the same with the policy's casts by hand, the dtype f's inner result has)
+def _custom_vjp_fn():
+  @jax.custom_vjp
+  def f(w, x):
+    return jnp.sin(x @ w)
+
+  def fwd(w, x):
+    return f(w, x), (w, x)
+
+  def bwd(res, g):  # the true derivative: the inlined primal's autodiff must agree
+    w, x = res
+    d = g * jnp.cos(x @ w)
+    return x.T @ d, d @ w.T
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+# name: (f, the same with the policy's casts written by hand)
 NESTED = {
   "jit": (
     lambda w, x: jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x),
@@ -355,6 +372,10 @@ NESTED = {
   "custom_jvp with exp": (  # exp is on the CUDA list: the primal is inlined
     lambda w, x: _custom_exp_fn(jnp.matmul)(w, x),
     lambda w, x: jnp.exp(_hand_dot(x, w).astype(jnp.float32)),
+  ),
+  "custom_vjp": (  # the primal inlined, differentiated as cast
+    lambda w, x: _custom_vjp_fn()(w, x),
+    lambda w, x: jnp.sin(_hand_dot(x, w)),
   ),
   "scan": (
     lambda w, x: lax.scan(lambda c, xt: (jnp.tanh(c @ w + xt), None), x, x[None].repeat(3, 0))[0],
@@ -518,3 +539,29 @@ def test_unknown_primitives_run_in_their_input_dtypes():
     np.asarray(bits),
     np.asarray(lax.bitcast_convert_type(_hand_dot(X, W).astype(jnp.float32), jnp.int32)),
   )
+
+
+def test_cuda_policy_keeps_torch_cuda_float32_ops_in_float32():
+  # torch's documented CUDA lists: linear in float16; layer_norm, softmax,
+  # mse_loss in float32; gelu (on no list) in its input's float16
+  p = {k: jnp.asarray(v) for k, v in _block_weights().items()}
+  x, y = (jnp.asarray(a) for a in _block_data(np.random.default_rng(8)))
+  out = jaxamp.autocast(block_jax, jnp.float16)(p, x, y)
+  dtypes = {k: str(v.dtype) for k, v in out.items()}
+  assert dtypes == {
+    "ln1": "float32", "qkv": "float16", "scores": "float16", "softmax": "float32",
+    "attn": "float16", "proj": "float16", "res1": "float32", "ln2": "float32",
+    "mlp1": "float16", "gelu": "float16", "mlp2": "float16", "res2": "float32", "loss": "float32",
+  }  # fmt: skip
+
+
+def test_composes_with_a_linen_apply():
+  nn = pytest.importorskip("flax.linen")
+  net = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+  variables = net.init(jax.random.key(0), jnp.ones((1, 4)))
+  out = jaxamp.autocast(net.apply)(variables, jnp.ones((3, 4)))
+  assert out.dtype == jnp.float16
+  g = jax.grad(
+    lambda v: jnp.sum(jaxamp.autocast(net.apply)(v, jnp.ones((3, 4))).astype(jnp.float32))
+  )(variables)
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(g))
