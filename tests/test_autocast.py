@@ -565,3 +565,19 @@ def test_composes_with_a_linen_apply():
     lambda v: jnp.sum(jaxamp.autocast(net.apply)(v, jnp.ones((3, 4))).astype(jnp.float32))
   )(variables)
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(g))
+
+
+def test_shard_map_runs_as_written_in_float32():
+  mesh = jax.make_mesh((1,), ("data",))
+  P = jax.sharding.PartitionSpec
+
+  def f(w, x):
+    h = x @ w
+    return jax.shard_map(lambda h: jnp.tanh(h @ w), mesh=mesh, in_specs=P(), out_specs=P())(h)
+
+  out = jaxamp.autocast(f)(W, X)
+  assert out.dtype == jnp.float32  # the fallback: inputs cast back to float32
+  expected = jnp.tanh(_hand_dot(X, W).astype(jnp.float32) @ W)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+  g = jax.grad(lambda w: jaxamp.autocast(f)(w, X).sum())(W)
+  assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
