@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,8 @@ class _Interpreter:
     self.casts = 0  # converts of traced values this interpreter inserted
     self._cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
     # id -> (value, kind): "lower" for the outputs of LOWER primitives,
-    # "broadcast" for values broadcast or reshaped to a higher rank (a bias).
+    # "broadcast" for values broadcast or reshaped to a higher rank (a bias),
+    # "const" for a literal broadcast to an array (promotes like a scalar).
     self._origin: dict[int, tuple[Any, str]] = {}
 
   def _mark(self, x: Any, kind: str) -> Any:
@@ -173,6 +175,8 @@ class _Interpreter:
     if name in ("broadcast_in_dim", "reshape", "expand_dims"):
       out = self._bind(eqn, args)
       x = args[0]
+      if isinstance(x, (np.ndarray, np.generic)) or self._kind(x) == "const":
+        return self._mark(out, "const")  # jnp.zeros_like, full: no data, no promotion
       grows = np.ndim(x) < np.ndim(out) or np.size(x) < np.size(out)
       return self._mark(out, "broadcast") if grows or self._kind(x) == "broadcast" else out
     if name in LOWER:
@@ -221,7 +225,8 @@ class _Interpreter:
 
   def _promote(self, eqn: Any, args: list[Any], floats: list[int]) -> None:
     """torch's type promotion among inputs the original jaxpr gave one float dtype:
-    the widest dimensioned one wins; 0-dim inputs decide only if all are 0-dim."""
+    the widest dimensioned one wins; 0-dim inputs (and literals broadcast to an
+    array) decide only if nothing else does."""
     groups: dict[Any, list[int]] = {}
     for i in floats:
       groups.setdefault(np.dtype(eqn.invars[i].aval.dtype), []).append(i)
@@ -229,7 +234,11 @@ class _Interpreter:
       dtypes = {np.dtype(args[i].dtype) for i in group}
       if len(dtypes) < 2:
         continue
-      dimensioned = [np.dtype(args[i].dtype) for i in group if np.ndim(args[i]) > 0]
+      dimensioned = [
+        np.dtype(args[i].dtype)
+        for i in group
+        if np.ndim(args[i]) > 0 and self._kind(args[i]) != "const"
+      ]
       target = _widest(dimensioned or list(dtypes))
       for i in group:
         args[i] = self.cast(args[i], target)
@@ -422,7 +431,9 @@ def autocast(
 
   Args:
     fn: the function; its array arguments (leaves of any pytree) are traced,
-      other leaves are static. It returns a pytree of arrays.
+      other leaves are static. It returns a pytree of arrays. An NNX module
+      has its state passed in and returned (BatchNorm statistics and RNG
+      counts update).
     dtype: ``jnp.float16`` or ``jnp.bfloat16``.
     policy: ``"cuda"`` or ``"cpu"``: whose float32 list to apply.
     enabled: ``False`` returns ``fn`` itself (torch's ``enabled=False``).
@@ -463,26 +474,59 @@ def autocast(
     return fn
   fp32 = POLICIES[policy]
 
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(fn, nnx.Module):
+    return _module_call(nnx, fn, half, fp32)
+
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    traced = [i for i, x in enumerate(leaves) if _is_array_leaf(x) or hasattr(x, "aval")]
-
-    def flat_fn(*arrays: Any) -> Any:
-      full = list(leaves)
-      for i, a in zip(traced, arrays):
-        full[i] = a
-      a, kw = jax.tree.unflatten(treedef, full)
-      out = fn(*a, **kw)
-      _check_outputs(fn, out)
-      return out
-
-    arrays = [leaves[i] for i in traced]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-    outs = _Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    return _interpret(fn, half, fp32, args, kwargs)
 
   return wrapped
+
+
+def _interpret(
+  fn: Callable[..., Any], half: Any, fp32: frozenset[str], args: Any, kwargs: Any
+) -> Any:
+  """``fn(*args, **kwargs)`` traced to a jaxpr and evaluated with the policy."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  traced = [i for i, x in enumerate(leaves) if _is_array_leaf(x) or hasattr(x, "aval")]
+
+  def flat_fn(*arrays: Any) -> Any:
+    full = list(leaves)
+    for i, a in zip(traced, arrays):
+      full[i] = a
+    a, kw = jax.tree.unflatten(treedef, full)
+    out = fn(*a, **kw)
+    _check_outputs(fn, out)
+    return out
+
+  arrays = [leaves[i] for i in traced]
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+  outs = _Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Callable[..., Any]:
+  """An NNX module's call with its state passed in and returned (so BatchNorm
+  statistics and Dropout's RNG counts update); the new state keeps the old
+  state's dtypes (parameters stay float32)."""
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    graphdef, state = nnx.split(module)
+
+    def pure(state: Any, *args: Any, **kwargs: Any) -> Any:
+      m = nnx.merge(graphdef, state)
+      return m(*args, **kwargs), nnx.state(m)
+
+    out, new_state = _interpret(pure, half, fp32, (state, *args), kwargs)
+    new_state = jax.tree.map(
+      lambda new, old: new.astype(old.dtype) if _is_float(old.dtype) else new, new_state, state
+    )
+    nnx.update(module, new_state)
+    return out
+
+  return call
 
 
 def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -581,3 +581,20 @@ def test_shard_map_runs_as_written_in_float32():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
   g = jax.grad(lambda w: jaxamp.autocast(f)(w, X).sum())(W)
   assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_nnx_module_state_updates_as_without_autocast():
+  nnx = pytest.importorskip("flax.nnx")
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((6, 4)).astype(np.float32))
+  bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  plain = nnx.clone(bn)
+  out = jaxamp.autocast(bn)(x)
+  plain(x)
+  assert out.dtype == jnp.float32  # no matmul: nothing in float16
+  np.testing.assert_allclose(np.asarray(bn.mean[...]), np.asarray(plain.mean[...]), rtol=1e-6)
+  assert bn.mean[...].dtype == jnp.float32
+
+  drop = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
+  first, second = jaxamp.autocast(drop)(x), jaxamp.autocast(drop)(x)
+  assert first.dtype == jnp.float16  # torch: dropout of a float16 linear output is float16
+  assert not np.array_equal(np.asarray(first), np.asarray(second))  # the RNG count advanced
