@@ -1,6 +1,7 @@
 """jaxamp: torch's automatic-mixed-precision GradScaler for JAX, bit for bit."""
 
 from jaxamp._accumulation import AccumulateGradientsState, accumulate_gradients
+from jaxamp._autocast import autocast, autocast_disabled
 from jaxamp._checkpoint import load_state_dict, state_dict
 from jaxamp._clipping import ClipGradNormState, clip_by_torch_norm, clip_grad_norm
 from jaxamp._finite import all_finite
@@ -28,6 +29,8 @@ __all__ = [
   "accumulate_gradients",
   "all_finite",
   "apply_scaled_updates",
+  "autocast",
+  "autocast_disabled",
   "clip_by_torch_norm",
   "clip_grad_norm",
   "dynamic_loss_scale",

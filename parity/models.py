@@ -322,6 +322,23 @@ def mlp_digits(seed: int = 2, compute_dtype: str = "float32") -> Pair:
   )
 
 
+def mlp_digits_autocast(seed: int = 2) -> Pair:
+  """``mlp_digits`` in float32, its forward pass under ``jaxamp.autocast(float16,
+  policy="cpu")`` as torch's under ``autocast("cpu", float16)``; the loss outside,
+  from float32 logits, as torch's ``cross_entropy(logits.float(), y)``."""
+  import jaxamp
+
+  pair = mlp_digits(seed)
+  forward = jaxamp.autocast(_DenseStack((32, 10)).apply, jnp.float16, policy="cpu")
+
+  def jax_loss(params, batch):
+    x, y = batch
+    logits = forward(params, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return dataclasses.replace(pair, name="mlp_digits_autocast", jax_loss=jax_loss)
+
+
 class _ConvNet(nn.Module):
   """``Conv2d(1, 4, 3) -> ReLU -> Flatten -> Linear(144, 10)`` on NCHW input."""
 

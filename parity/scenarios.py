@@ -629,6 +629,22 @@ SCENARIOS: list[Scenario] = [
     plot=True,
   ),
   Scenario(
+    "mlp_digits_autocast",
+    "float16 compute by jaxamp.autocast: torch autocast('cpu', float16) against the "
+    "unmodified float32 Flax model under jaxamp.autocast(float16, policy='cpu'), so "
+    "every op has torch's dtype; otherwise mlp_digits_fp16 (SGD, 200 steps, scale "
+    "2**20, interval 20: real float16 overflows, found on the same steps). The casts "
+    "are those Flax's Dense(dtype=float16) makes, so the run measures what "
+    "mlp_digits_fp16 does (measured: 9 skips, parameters 1.5e-3 from torch's); tolerance 1e-2 as "
+    "there.",
+    models.mlp_digits_autocast,
+    optimizers=(OptSpec("sgd", 0.1),),
+    steps=200,
+    scaler=_factors(2.0**20, 2.0, 0.5, 20),
+    autocast="float16",
+    param_rtol=1e-2,
+  ),
+  Scenario(
     "transformer_decoder",
     "A 2-layer decoder-only Transformer (d_model 32, 4 heads, causal self-attention, "
     "pre-LayerNorm, GELU MLP; q/k/v without bias) on a synthetic copy task, float32, "

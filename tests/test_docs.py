@@ -24,7 +24,13 @@ COVERED_ELSEWHERE = {
   "docs/flax.md": "tests/test_examples.py::test_docs_flax_code_blocks_run",
   "docs/distributed.md": "tests/test_distributed.py::test_distributed_doc_python_examples_run",
 }
-RUN_HERE = ["docs/quickstart.md", "docs/grad_scaler.md", "docs/speed.md", "docs/optax.md"]
+RUN_HERE = [
+  "docs/quickstart.md",
+  "docs/grad_scaler.md",
+  "docs/speed.md",
+  "docs/optax.md",
+  "docs/autocast.md",
+]
 
 
 def python_blocks(path):

@@ -1,0 +1,559 @@
+"""``autocast``: torch's autocast op policy applied to float32 JAX code, as a jaxpr interpreter."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+# The name scope autocast_disabled puts its function's equations in.
+DISABLED_SCOPE = "jaxamp_autocast_disabled"
+
+HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+F32 = np.dtype(jnp.float32)
+
+# torch's "lower precision" list, as JAX primitives: every matmul-like torch op
+# (mm, matmul, linear, bmm, baddbmm, addmm, addbmm, einsum, tensordot, conv*)
+# traces to one of these two.
+LOWER = frozenset({"dot_general", "conv_general_dilated"})
+
+# Primitives with no half kernels in JAX (LAPACK, FFT): float32 in both
+# policies (torch's CPU list has cholesky, inverse, linalg_*, fft_*).
+_LINALG = frozenset(
+  {"cholesky", "lu", "qr", "svd", "eigh", "eig", "triangular_solve", "householder_product", "fft"}
+)
+
+# torch's CUDA float32 list, as JAX primitives (docs/autocast.md has the table).
+FP32_CUDA = (
+  frozenset(
+    {
+      "exp",
+      "exp2",
+      "expm1",
+      "log",
+      "log1p",
+      "pow",
+      "integer_pow",
+      "square",
+      "rsqrt",
+      "reduce_sum",
+      "reduce_prod",
+      "cumsum",
+      "cumprod",
+      "cumlogsumexp",
+      "erf_inv",
+      "acos",
+      "asin",
+      "cosh",
+      "sinh",
+      "tan",
+    }
+  )
+  | _LINALG
+)
+
+# torch's CPU float32 list, as JAX primitives: prod is the only op of that list
+# that is one primitive (the losses, cdist, ... decompose into ops that run in
+# their input types on CPU too).
+FP32_CPU = frozenset({"reduce_prod"}) | _LINALG
+
+POLICIES = {"cuda": FP32_CUDA, "cpu": FP32_CPU}
+
+# Reductions that, run in a half dtype, accumulate in float32 and round once
+# (torch's "opmath"; jnp.sum of a float16 array does the same).
+_ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod", "cumprod"})
+
+# Primitives whose result depends on the bits of their input dtype: always
+# evaluated as the original jaxpr had them.
+_EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+
+
+def _is_float(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _widest(dtypes: list[Any]) -> Any:
+  return functools.reduce(jnp.promote_types, dtypes)
+
+
+class _Interpreter:
+  """Evaluates jaxprs with the policy; one per ``autocast`` call (its cast cache)."""
+
+  def __init__(self, dtype: Any, fp32: frozenset[str]):
+    self.dtype = np.dtype(dtype)
+    self.fp32 = fp32
+    self.casts = 0  # converts of traced values this interpreter inserted
+    self._cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
+    # id -> (value, kind): "lower" for the outputs of LOWER primitives,
+    # "broadcast" for values broadcast or reshaped to a higher rank (a bias),
+    # "const" for a literal broadcast to an array (promotes like a scalar).
+    self._origin: dict[int, tuple[Any, str]] = {}
+
+  def _mark(self, x: Any, kind: str) -> Any:
+    self._origin[id(x)] = (x, kind)
+    return x
+
+  def _kind(self, x: Any) -> str | None:
+    hit = self._origin.get(id(x))
+    return hit[1] if hit is not None and hit[0] is x else None
+
+  def _is_bias_add(self, args: list[Any]) -> bool:
+    """``add(matmul_or_conv_output, b)`` with ``b`` broadcast to it (a bias)."""
+    if len(args) != 2:
+      return False
+    for out, b in (args, args[::-1]):
+      if self._kind(out) == "lower" and (self._kind(b) == "broadcast" or np.size(b) < np.size(out)):
+        return True
+    return False
+
+  def fresh(self) -> _Interpreter:
+    """An interpreter with the same policy and its own cache (for a nested trace)."""
+    return _Interpreter(self.dtype, self.fp32)
+
+  # -- casting ------------------------------------------------------------------
+
+  def cast(self, x: Any, dtype: Any) -> Any:
+    dtype = np.dtype(dtype)
+    if np.dtype(x.dtype) == dtype:
+      return x
+    if isinstance(x, (np.ndarray, np.generic)):  # a literal: a constant of the new dtype
+      return np.asarray(x, dtype)
+    key = (id(x), dtype)
+    hit = self._cache.get(key)
+    if hit is not None and hit[0] is x:
+      return hit[1]
+    y = lax.convert_element_type(x, dtype)
+    self._cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
+    self.casts += 1
+    return y
+
+  # -- evaluation ---------------------------------------------------------------
+
+  def eval_jaxpr(self, jaxpr: Any, consts: Any, args: Any) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+      if isinstance(v, jex_core.Literal):
+        return np.asarray(v.val, getattr(v.aval, "dtype", None))
+      return env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    for eqn in jaxpr.eqns:
+      outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      for v, x in zip(eqn.outvars, outs):
+        env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+  def original(self, eqn: Any, args: list[Any]) -> Any:
+    """The equation as the original jaxpr has it: inputs cast back to its dtypes."""
+    args = [self.cast(x, v.aval.dtype) for x, v in zip(args, eqn.invars)]
+    return eqn.primitive.bind(*args, **_bind_params(eqn))
+
+  def eval_eqn(self, eqn: Any, args: list[Any]) -> Any:
+    name = eqn.primitive.name
+    if DISABLED_SCOPE in str(eqn.source_info.name_stack) or name in _EXACT_DTYPE:
+      return self.original(eqn, args)
+    nested = _NESTED.get(name)
+    if nested is not None:
+      return nested(self, eqn, args)
+    if any(isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) for p in eqn.params.values()):
+      return self.original(eqn, args)  # a higher-order primitive this file does not know
+    if name == "convert_element_type":
+      return eqn.primitive.bind(*args, **eqn.params)
+    if name in ("broadcast_in_dim", "reshape", "expand_dims"):
+      out = self._bind(eqn, args)
+      x = args[0]
+      if isinstance(x, (np.ndarray, np.generic)) or self._kind(x) == "const":
+        return self._mark(out, "const")  # jnp.zeros_like, full: no data, no promotion
+      grows = np.ndim(x) < np.ndim(out) or np.size(x) < np.size(out)
+      return self._mark(out, "broadcast") if grows or self._kind(x) == "broadcast" else out
+    if name in LOWER:
+      return self._mark(self._bind(eqn, args), "lower")
+    return self._bind(eqn, args)
+
+  def _bind(self, eqn: Any, args: list[Any]) -> Any:
+    """The equation with the policy: inputs cast, the primitive re-bound."""
+    name = eqn.primitive.name
+    floats = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
+    if not floats:
+      return eqn.primitive.bind(*args, **eqn.params)
+    args = list(args)
+    params = dict(eqn.params)
+    if name in LOWER:
+      if all(np.dtype(args[i].dtype) in (F32, *HALF) for i in floats):
+        for i in floats:
+          args[i] = self.cast(args[i], self.dtype)
+        params["preferred_element_type"] = self.dtype
+      else:
+        return self.original(eqn, args)
+    elif name in self.fp32:
+      for i in floats:
+        if np.dtype(args[i].dtype) in HALF:
+          args[i] = self.cast(args[i], F32)
+    elif name == "add" and self._is_bias_add(args):
+      # A bias added to a matmul or conv output: torch's linear, addmm and conv
+      # add their bias inside the op, in the lower dtype.
+      for i in floats:
+        args[i] = self.cast(args[i], self.dtype)
+    else:
+      self._promote(eqn, args, floats)
+    now = [np.dtype(args[i].dtype) for i in floats]
+    if now == [np.dtype(eqn.invars[i].aval.dtype) for i in floats]:
+      return eqn.primitive.bind(*args, **params)  # nothing changed
+    for key in ("out_dtype", "preferred_element_type"):
+      if name not in LOWER and params.get(key) is not None and _is_float(params[key]):
+        params[key] = _widest(now)
+    if name in _ACCUMULATE_F32 and now[0] in HALF:
+      out = eqn.primitive.bind(*[self.cast(a, F32) for a in args], **params)
+      return self.cast(out, now[0])
+    try:
+      return eqn.primitive.bind(*args, **params)
+    except (TypeError, ValueError):
+      return self.original(eqn, args)  # not valid in the new dtypes: run it as it was
+
+  def _promote(self, eqn: Any, args: list[Any], floats: list[int]) -> None:
+    """torch's type promotion among inputs the original jaxpr gave one float dtype:
+    the widest dimensioned one wins; 0-dim inputs (and literals broadcast to an
+    array) decide only if nothing else does."""
+    groups: dict[Any, list[int]] = {}
+    for i in floats:
+      groups.setdefault(np.dtype(eqn.invars[i].aval.dtype), []).append(i)
+    for group in groups.values():
+      dtypes = {np.dtype(args[i].dtype) for i in group}
+      if len(dtypes) < 2:
+        continue
+      dimensioned = [
+        np.dtype(args[i].dtype)
+        for i in group
+        if np.ndim(args[i]) > 0 and self._kind(args[i]) != "const"
+      ]
+      target = _widest(dimensioned or list(dtypes))
+      for i in group:
+        args[i] = self.cast(args[i], target)
+
+  # -- nested jaxprs ------------------------------------------------------------
+
+  def call(self, closed: Any, args: list[Any]) -> list[Any]:
+    """A ClosedJaxpr inlined: evaluated in this trace, with this cache."""
+    return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
+
+  def traced(self, closed: Any) -> Callable[..., list[Any]]:
+    """A function evaluating ``closed`` in a new trace (a fresh cache)."""
+
+    def fn(*args: Any) -> list[Any]:
+      return self.fresh().eval_jaxpr(closed.jaxpr, closed.consts, args)
+
+    return fn
+
+
+def _bind_params(eqn: Any) -> dict[str, Any]:
+  """The params to re-bind ``eqn``'s primitive with (as ``jax.core.eval_jaxpr`` does)."""
+  return dict(eqn.primitive.get_bind_params(eqn.params))
+
+
+def _inline(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if key in eqn.params:
+      return interp.call(eqn.params[key], args)
+  return interp.original(eqn, args)
+
+
+def _custom_jvp(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  """The custom rule when the policy changes nothing inside (``jax.nn.relu`` on a
+  float16 input: its own jvp at float16); otherwise the primal, inlined, and
+  differentiated as it is computed."""
+  closed = eqn.params["call_jaxpr"]
+  probe = interp.fresh()
+  jax.make_jaxpr(lambda *a: probe.eval_jaxpr(closed.jaxpr, closed.consts, a))(*args)
+  if probe.casts:
+    return interp.call(closed, args)
+  params = _bind_params(eqn)
+  fun = jax.extend.linear_util.wrap_init(interp.traced(closed), debug_info=closed.jaxpr.debug_info)
+  jvp = jax.extend.linear_util.wrap_init(
+    _lift_jvp(interp, eqn.params["num_consts"], eqn.params["jvp_jaxpr_fun"]),
+    debug_info=closed.jaxpr.debug_info,
+  )
+  params["subfuns"] = (fun, jvp)
+  return eqn.primitive.bind(*args, **params)
+
+
+def _lift_jvp(interp: _Interpreter, num_consts: int, jvp_jaxpr_fun: Any) -> Callable[..., Any]:
+  """jax's ``lift_jvp`` with the jvp jaxpr evaluated by a fresh interpreter."""
+  zero = jax.custom_derivatives.SymbolicZero
+
+  def jvp(*xs: Any) -> list[Any]:
+    n = len(xs) // 2
+    primals, tangents = xs[num_consts:n], xs[n + num_consts :]
+    zeros = [type(t) is zero for t in tangents]
+    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    inner = interp.fresh()
+    nonzero = [t for t in tangents if type(t) is not zero]
+    out = inner.eval_jaxpr(jvp_jaxpr, jvp_consts, [*primals, *nonzero])
+    out_primals, nz_tangents = out[: len(out_zeros)], iter(out[len(out_zeros) :])
+    out_tangents = [
+      zero(jax.typeof(p).to_tangent_aval()) if z else inner.cast(next(nz_tangents), p.dtype)
+      for p, z in zip(out_primals, out_zeros)
+    ]
+    return [*out_primals, *out_tangents]
+
+  return jvp
+
+
+def _carry_cast(interp: _Interpreter, outs: list[Any], like: list[Any]) -> list[Any]:
+  return [interp.cast(o, x.dtype) for o, x in zip(outs, like)]
+
+
+def _scan(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  p = eqn.params
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  consts, init, xs = args[:nc], args[nc : nc + ncarry], args[nc + ncarry :]
+  body_jaxpr = p["jaxpr"]
+
+  def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    inner = interp.fresh()
+    outs = inner.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, [*consts, *carry, *x])
+    return _carry_cast(inner, outs[:ncarry], carry), outs[ncarry:]
+
+  carry, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def _while(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  p = eqn.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
+  cond_j, body_j = p["cond_jaxpr"], p["body_jaxpr"]
+
+  def cond(carry: Any) -> Any:
+    return interp.fresh().eval_jaxpr(cond_j.jaxpr, cond_j.consts, [*cconsts, *carry])[0]
+
+  def body(carry: Any) -> list[Any]:
+    inner = interp.fresh()
+    return _carry_cast(
+      inner, inner.eval_jaxpr(body_j.jaxpr, body_j.consts, [*bconsts, *carry]), carry
+    )
+
+  return list(lax.while_loop(cond, body, list(init)))
+
+
+def _cond(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  index, ops = args[0], args[1:]
+  branches = eqn.params["branches"]
+  shapes = [jax.eval_shape(interp.traced(b), *ops) for b in branches]
+  targets = [_widest([s[k].dtype for s in shapes]) for k in range(len(shapes[0]))]
+
+  def branch(closed: Any) -> Callable[..., list[Any]]:
+    def fn(*a: Any) -> list[Any]:
+      inner = interp.fresh()
+      outs = inner.eval_jaxpr(closed.jaxpr, closed.consts, a)
+      return [inner.cast(o, t) for o, t in zip(outs, targets)]
+
+    return fn
+
+  return list(lax.switch(index, [branch(b) for b in branches], *ops))
+
+
+def _remat(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+  p = eqn.params
+  jaxpr = p["jaxpr"]
+
+  def fn(*a: Any) -> list[Any]:
+    return interp.fresh().eval_jaxpr(jaxpr, [], a)
+
+  return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args)
+
+
+_NESTED: dict[str, Callable[[_Interpreter, Any, list[Any]], Any]] = {
+  "pjit": _inline,
+  "jit": _inline,
+  "closed_call": _inline,
+  "core_call": _inline,
+  "custom_vjp_call": _inline,
+  "custom_vjp_call_jaxpr": _inline,
+  "custom_jvp_call": _custom_jvp,
+  "scan": _scan,
+  "while": _while,
+  "cond": _cond,
+  "remat2": _remat,
+  "checkpoint": _remat,
+}
+
+
+def _is_array_leaf(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _check_outputs(fn: Callable[..., Any], out: Any) -> None:
+  bad = [x for x in jax.tree.leaves(out) if not (_is_array_leaf(x) or hasattr(x, "aval"))]
+  bad = [x for x in bad if not isinstance(x, (bool, int, float, complex))]
+  if bad:
+    raise TypeError(
+      f"autocast: {getattr(fn, '__name__', fn)!r} returned a {type(bad[0]).__name__}, "
+      "not a pytree of arrays.\nReturn arrays (or a pytree of them); keep other values "
+      "outside the autocast function."
+    )
+
+
+def autocast(
+  fn: Callable[..., Any],
+  dtype: Any = jnp.float16,
+  *,
+  policy: str = "cuda",
+  enabled: bool = True,
+) -> Callable[..., Any]:
+  """``fn`` with torch's autocast op policy: matmuls and convolutions in ``dtype``.
+
+  ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen
+  ``apply``). Each call traces it to a jaxpr and evaluates that equation by
+  equation: ``dot_general`` and ``conv_general_dilated`` (every matmul, linear,
+  einsum and conv) run in ``dtype`` (their float32 inputs cast to it, cast
+  once per call however often they are used), the primitives of torch's float32
+  list for ``policy`` (``"cuda"``, the default: ``exp``, ``log``, ``pow``,
+  ``rsqrt``, ``reduce_sum``, ...; ``"cpu"``: ``reduce_prod``, linear algebra,
+  FFT) run in float32, and every other primitive runs in the dtypes its inputs
+  arrive in, mixed inputs promoted to the widest as torch promotes (0-dim
+  inputs do not promote dimensioned ones). Parameters stay float32; gradients
+  are those of the cast computation. Equations inside
+  :func:`autocast_disabled` run as written, in float32. The policy, the
+  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
+
+  Args:
+    fn: the function; its array arguments (leaves of any pytree) are traced,
+      other leaves are static. It returns a pytree of arrays. An NNX module
+      has its state passed in and returned (BatchNorm statistics and RNG
+      counts update).
+    dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+    policy: ``"cuda"`` or ``"cpu"``: whose float32 list to apply.
+    enabled: ``False`` returns ``fn`` itself (torch's ``enabled=False``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxamp
+    >>> def f(w, x):
+    ...   return jax.nn.softmax(x @ w)
+    >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    >>> jax.eval_shape(jaxamp.autocast(lambda w, x: x @ w), w, x).dtype
+    dtype('float16')
+    >>> jaxamp.autocast(f)(w, x).dtype   # softmax: float32 on the CUDA list
+    dtype('float32')
+    >>> jaxamp.autocast(f, policy="cpu")(w, x).dtype   # torch's CPU list: input dtype
+    dtype('float16')
+  """
+  if not callable(fn):
+    raise TypeError(
+      f"autocast: fn must be callable, got {type(fn).__name__}.\n"
+      "Pass the function (or module) itself: jaxamp.autocast(f)(x), not jaxamp.autocast(f(x))."
+    )
+  if policy not in POLICIES:
+    raise ValueError(
+      f"autocast: unknown policy {policy!r}.\nUse policy='cuda' (the default) or policy='cpu'."
+    )
+  try:
+    half = np.dtype(dtype)
+  except TypeError:
+    half = None
+  if half not in HALF:
+    raise ValueError(
+      f"autocast: dtype must be float16 or bfloat16, got {dtype!r}.\n"
+      "Use jnp.float16 or jnp.bfloat16 (as torch does); to run fn in float32, "
+      "pass enabled=False."
+    )
+  if not enabled:
+    return fn
+  fp32 = POLICIES[policy]
+
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(fn, nnx.Module):
+    return _module_call(nnx, fn, half, fp32)
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    return _interpret(fn, half, fp32, args, kwargs)
+
+  return wrapped
+
+
+def _interpret(
+  fn: Callable[..., Any], half: Any, fp32: frozenset[str], args: Any, kwargs: Any
+) -> Any:
+  """``fn(*args, **kwargs)`` traced to a jaxpr and evaluated with the policy."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  traced = [i for i, x in enumerate(leaves) if _is_array_leaf(x) or hasattr(x, "aval")]
+
+  def flat_fn(*arrays: Any) -> Any:
+    full = list(leaves)
+    for i, a in zip(traced, arrays):
+      full[i] = a
+    a, kw = jax.tree.unflatten(treedef, full)
+    out = fn(*a, **kw)
+    _check_outputs(fn, out)
+    return out
+
+  arrays = [leaves[i] for i in traced]
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+  outs = _Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Callable[..., Any]:
+  """An NNX module's call with its state passed in and returned (so BatchNorm
+  statistics and Dropout's RNG counts update); the new state keeps the old
+  state's dtypes (parameters stay float32)."""
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    graphdef, state = nnx.split(module)
+
+    def pure(state: Any, *args: Any, **kwargs: Any) -> Any:
+      m = nnx.merge(graphdef, state)
+      return m(*args, **kwargs), nnx.state(m)
+
+    out, new_state = _interpret(pure, half, fp32, (state, *args), kwargs)
+    new_state = jax.tree.map(
+      lambda new, old: new.astype(old.dtype) if _is_float(old.dtype) else new, new_state, state
+    )
+    nnx.update(module, new_state)
+    return out
+
+  return call
+
+
+def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` run in float32 inside an :func:`autocast` function (torch's
+  ``autocast(enabled=False)`` region): its floating array inputs are cast to
+  float32 and its equations run as written. Outside ``autocast`` it is ``fn``
+  with float32 inputs.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxamp
+    >>> def f(w, x):
+    ...   h = x @ w                                            # float16
+    ...   return jaxamp.autocast_disabled(lambda h: h @ w)(h)  # float32
+    >>> jaxamp.autocast(f)(jnp.ones((3, 3)), jnp.ones((2, 3))).dtype
+    dtype('float32')
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def up(x: Any) -> Any:
+      if (_is_array_leaf(x) or hasattr(x, "aval")) and np.dtype(x.dtype) in HALF:
+        return jnp.asarray(x).astype(F32)
+      return x
+
+    args, kwargs = jax.tree.map(up, (args, kwargs))
+    with jax.named_scope(DISABLED_SCOPE):
+      return fn(*args, **kwargs)
+
+  return wrapped
