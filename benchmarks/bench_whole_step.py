@@ -32,13 +32,17 @@ runs the finite row's compiled step on its own copy of the state (same initial
 params). Donation: ``jax.jit(step, donate_argnums=0)`` with ``step(state, ...)
 -> (state, loss, ...)`` and ``nnx.jit(step, donate_argnums=(0, 1))`` with
 ``step(model, optimizer, ...)``, whose donated arguments nnx.jit returns first;
-the ``aliased`` column counts the donated buffers the compiled step updates in
-place (from its HLO's input_output_alias), out of the donated ones.
+the ``aliased/read/donated`` column counts, from the compiled HLO, the donated
+buffers updated in place, the donated buffers the step reads, and all donated
+buffers (jaxamp's ``found_inf`` is written and never read, so JAX drops it from
+the step's inputs: one fewer read than donated on the jaxamp rows). Aliased
+equal to read means no donated buffer is copied.
 
 Each step is compiled with ``.lower(...).compile()`` (the ``compile s`` column:
 tracing, lowering and XLA compilation) and the compiled step is called in the
 loop. Every contender runs in this one process, interleaved step by step, with
-``jax.block_until_ready`` on everything the step returns; 2 warm-up rounds are
+``jax.block_until_ready`` on everything the step returns (and, for NNX,
+the model's and optimizer's state); 2 warm-up rounds are
 left out; median and p10-p90 over ``--repeats`` rounds. The first loss of every
 finite row is printed: within a family they are the same (same params, same
 batch). The ``skipped`` column is the number of updates jaxamp skipped over the
@@ -267,10 +271,20 @@ class NnxRunner:
     return out
 
 
-def aliased_count(compiled):
-  """How many parameters of the compiled step alias an output (donated and reused)."""
-  header = (compiled.as_text() or "").split("\n", 1)[0]  # HloModule ..., input_output_alias={...}
-  return len(re.findall(r"\(\d+, \{[^}]*\}, (?:may|must)-alias\)", header))
+def donation_counts(compiled, n_other_args=2):
+  """(aliased, read): donated buffers updated in place, and donated buffers the step reads.
+
+  From the compiled HLO module's header: ``input_output_alias`` lists the
+  parameters whose buffers outputs reuse; ``entry_computation_layout`` lists
+  the parameters, the donated buffers the step reads and then the
+  ``n_other_args`` non-donated ones (tokens, poison). A donated buffer the step
+  only writes (jaxamp's ``found_inf``) is not a parameter: JAX drops unused
+  inputs.
+  """
+  header = (compiled.as_text() or "").split("\n", 1)[0]
+  aliased = len(re.findall(r"\(\d+, \{[^}]*\}, (?:may|must)-alias\)", header))
+  layout = header.split("entry_computation_layout={(", 1)[-1].split(")->", 1)[0]
+  return aliased, len(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", layout)) - n_other_args
 
 
 # ------------------------------------------------------------------ driver
@@ -323,6 +337,7 @@ def main():
     f"# targets (not asserted): {TARGETS}",
     flush=True,
   )
+  jax.jit(lambda x: x + 1).lower(1.0).compile()  # backend start-up, outside the first compile
   runners = {}
   for family in ("linen", "nnx"):
     for kind in ("plain", "jaxamp", "fast"):
@@ -331,10 +346,11 @@ def main():
         runner = LinenRunner(kind, args, params, tokens)
       else:
         runner = NnxRunner(kind, args, tokens)
-      runner.aliased = aliased_count(runner.step)
+      runner.aliased, runner.read = donation_counts(runner.step)
+      runner.alias_note = f"{runner.aliased}/{runner.read}/{runner.donated}"
       print(
-        f"  {name}: compiled in {runner.compile_s:.1f} s, "
-        f"{runner.aliased}/{runner.donated} donated buffers aliased",
+        f"  {name}: compiled in {runner.compile_s:.1f} s; donated buffers: {runner.donated}, "
+        f"{runner.read} read by the step, {runner.aliased} of them updated in place",
         flush=True,
       )
       runners[name] = runner
@@ -353,7 +369,7 @@ def main():
     print(f"# first loss, {name}: {first_loss[(name, 0)]!r}")
   print(
     "\n| step | grads | median ms | p10-p90 ms | / plain | compile s | compile / plain "
-    "| aliased | skipped |"
+    "| aliased/read/donated | skipped |"
   )
   print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
   for name, which in rows:
@@ -369,7 +385,7 @@ def main():
       f"| {name} | {'skip' if which else 'finite'} | {med:.1f} | "
       f"{np.percentile(ms, 10):.1f}-{np.percentile(ms, 90):.1f} | {med / base_ms:.3f} | "
       f"{runner.compile_s:.1f} | {runner.compile_s / base_compile:.2f} | "
-      f"{runner.aliased}/{runner.donated} | {skipped} |"
+      f"{runner.alias_note} | {skipped} |"
     )
 
 
