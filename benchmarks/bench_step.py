@@ -52,9 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
+from model_shapes import MIXES, describe
 
 import jaxamp
-from model_shapes import MIXES, describe
 
 GRAD_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": jnp.bfloat16}
 

@@ -1,11 +1,11 @@
 """Parameter shapes of real models, from their published architectures (arrays only).
 
-  >>> sum(math.prod(s) for s in gpt2_small())      # GPT-2 small, tied embedding
-  124439808
-  >>> sum(math.prod(s) for s in resnet50())        # torchvision resnet50, no buffers
-  25557032
-  >>> sum(math.prod(s) for s in vit_b16())         # torchvision vit_b_16
-  86567656
+>>> sum(math.prod(s) for s in gpt2_small())      # GPT-2 small, tied embedding
+124439808
+>>> sum(math.prod(s) for s in resnet50())        # torchvision resnet50, no buffers
+25557032
+>>> sum(math.prod(s) for s in vit_b16())         # torchvision vit_b_16
+86567656
 """
 
 from __future__ import annotations
