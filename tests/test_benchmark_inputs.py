@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import model_shapes  # noqa: E402
+import model_shapes
 
 
 @pytest.mark.parametrize(
