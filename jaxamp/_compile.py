@@ -2,8 +2,10 @@
 
 A ``lax.cond`` of fresh closures run outside ``jit`` compiles on every call;
 the front-ends call their steps through :func:`call_compiled`, so an eager
-training loop compiles each step once. Inside ``jit`` the call is traced
-inline like any nested ``jax.jit``.
+training loop compiles each step once. Inside ``jit`` (any argument traced)
+the function is called as it is: a nested ``jax.jit`` there would only add
+its own lowering to the caller's compile time (1.5x at 200 leaves of many
+sizes; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def call_compiled(fn: Callable, static: Hashable, *args: Any) -> Any:
   Array leaves of ``args`` (NumPy arrays included) are traced; any other leaf
   (a Python number or a callable extra argument) is static, as given, so each
   new value compiles once. Where a static part is unhashable, ``fn`` is traced
-  on every call instead.
+  on every call instead. Under a trace (``jit``, ``grad``, ``vmap``) it is
+  ``fn(static, *args)``.
   """
+  if traced(args):
+    return fn(static, *args)
   leaves, treedef = jax.tree.flatten(args)
   arrays = [leaf for leaf in leaves if isinstance(leaf, _ARRAY_LIKE)]
   others = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, _ARRAY_LIKE))
