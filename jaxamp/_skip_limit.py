@@ -19,15 +19,16 @@ from jax._src import core as _jax_core
 from jax._src import debugging as _debugging
 from jax.interpreters import batching, mlir
 
-_FIX = "The loss itself is probably inf/NaN; check the model and data, or lower the learning rate."
 
-
-def skip_limit_message(consecutive, update, scale, limit) -> str:
-  """The error's text (one line) for ``consecutive`` skips at ``update``."""
+def skip_limit_message(consecutive, update, scale, limit, state_note: str = "") -> str:
+  """The error's text (one line) for ``consecutive`` skips at ``update``;
+  ``state_note``, a sentence on what the caller holds, goes before the advice."""
   return (
     f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
     f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
-    f"update {int(update)}, with the loss scale now {float(scale)!r}. {_FIX}"
+    f"update {int(update)}, with the loss scale now {float(scale)!r}. {state_note}"
+    "The loss itself is probably inf/NaN; check the model and data, or lower the "
+    "learning rate."
   )
 
 
@@ -43,12 +44,11 @@ class SkipLimitError(_checkify.FailedCheckError):
   """The ``checkify`` form of the error (a user check: on by default)."""
 
   def __str__(self):
-    message = skip_limit_message(*self.args)
-    return message.replace(
-      f" {_FIX}",
-      " The params and optimizer state this step returned are valid: the skipped "
-      f"steps left them unchanged. {_FIX}",
+    valid = (
+      "The params and optimizer state this step returned are valid: the skipped "
+      "steps left them unchanged. "
     )
+    return skip_limit_message(*self.args, state_note=valid)
 
 
 def _raise(consecutive, update, scale, limit):
