@@ -1,12 +1,16 @@
 """Trains an MLP on scikit-learn's digits with Flax NNX in float16, with jaxamp.
 
 The model computes in float16 with float32 parameters; the loss is computed in
-float32 from the logits. The loss is scaled by jaxamp's dynamic loss scale,
+float32 from the logits. With ``--autocast`` the model is the unmodified
+float32 MLP and ``jaxamp.autocast`` runs it with torch's autocast policy
+(matmuls in float16, the loss's log-softmax in float32), as a torch loop does
+under ``torch.autocast("cuda", float16)``. The loss is scaled by jaxamp's dynamic loss scale,
 updates with inf/NaN gradients are skipped, and the step returns the scale
 metrics as arrays so that logging syncs with the host only every
 ``--log-every`` steps::
 
   python examples/nnx_digits.py --steps 2000 --out nnx_digits.png
+  python examples/nnx_digits.py --steps 2000 --autocast --out nnx_autocast.png
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ def loss_fn(model: MLP, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@nnx.jit
-def train_step(model: MLP, optimizer: nnx.Optimizer, x, y):
-  grad_fn = flax_utils.scaled_value_and_grad(loss_fn, optimizer)
+@nnx.jit(static_argnames="autocast")
+def train_step(model: MLP, optimizer: nnx.Optimizer, x, y, autocast=False):
+  # with torch.autocast("cuda", dtype=torch.float16): ... around the forward and the loss
+  fn = jaxamp.autocast(loss_fn, jnp.float16, enabled=autocast)
+  grad_fn = flax_utils.scaled_value_and_grad(fn, optimizer)
   loss, grads = grad_fn(model, x, y)  # unscaled loss, grads of the scaled loss
   flax_utils.update(optimizer, model, grads)  # unscales; skips the update on inf/NaN
   return loss, flax_utils.loss_scale_metrics(optimizer)
@@ -76,18 +82,23 @@ def main(argv=None) -> dict:
   parser.add_argument("--growth-interval", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--log-every", type=int, default=25)
+  parser.add_argument(
+    "--autocast", action="store_true", help="a float32 model under jaxamp.autocast"
+  )
   args = parser.parse_args(argv)
 
   x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-  model = MLP(args.depth, args.width, jnp.float16, nnx.Rngs(args.seed))
+  dtype = jnp.float32 if args.autocast else jnp.float16  # autocast casts per op
+  model = MLP(args.depth, args.width, dtype, nnx.Rngs(args.seed))
+  mode = "jaxamp.autocast" if args.autocast else "float16"
   tx = jaxamp.dynamic_loss_scale(optax.adam(args.lr), growth_interval=args.growth_interval)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   history = []  # device arrays; fetched once at the end
   batches = batch_indices(len(x_train), args.batch_size, args.steps, args.seed)
-  progress = tqdm(batches, total=args.steps, desc="nnx digits (float16)")
+  progress = tqdm(batches, total=args.steps, desc=f"nnx digits ({mode})")
   for step, idx in enumerate(progress, start=1):
-    loss, metrics = train_step(model, optimizer, x_train[idx], y_train[idx])
+    loss, metrics = train_step(model, optimizer, x_train[idx], y_train[idx], args.autocast)
     history.append((loss, metrics["loss_scale"], metrics["skipped"]))
     if step % args.log_every == 0 or step == args.steps:
       progress.set_postfix(
@@ -104,7 +115,7 @@ def main(argv=None) -> dict:
     f"test accuracy {test_accuracy:.4f}; {skipped_steps} of {int(optimizer.step[...])} "
     f"updates skipped (optimizer.step counts both); final scale {scales[-1]:g}"
   )
-  plot_curves(args.out, losses, scales, skipped, "NNX MLP on digits, float16 + jaxamp")
+  plot_curves(args.out, losses, scales, skipped, f"NNX MLP on digits, {mode} + jaxamp")
   print(f"wrote {args.out}")
   return {"test_accuracy": test_accuracy, "skipped_steps": skipped_steps, "losses": losses}
 

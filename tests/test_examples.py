@@ -16,10 +16,14 @@ def import_example(monkeypatch):
   return importlib.import_module
 
 
-@pytest.mark.parametrize("name", ["nnx_digits", "linen_digits"])
-def test_examples_digits_trains_and_writes_png(name, import_example, tmp_path, capsys):
+@pytest.mark.parametrize(
+  "name, flags",
+  [("nnx_digits", []), ("nnx_digits", ["--autocast"]), ("linen_digits", [])],
+  ids=["nnx_digits", "nnx_digits_autocast", "linen_digits"],
+)
+def test_examples_digits_trains_and_writes_png(name, flags, import_example, tmp_path, capsys):
   png = tmp_path / "curves.png"
-  result = import_example(name).main(["--steps", "20", "--out", str(png)])
+  result = import_example(name).main(["--steps", "20", "--out", str(png), *flags])
   assert png.read_bytes()[:8] == PNG_MAGIC
   losses = result["losses"]
   assert losses.shape == (20,) and np.all(np.isfinite(losses))
