@@ -54,9 +54,19 @@ def block(p, x, y, heads):
 HALF_PARAMS = ("wqkv", "bqkv", "wo", "bo", "w1", "b1", "w2", "b2")
 
 
+def linear16(h, w, b):
+  """torch's float16 ``linear``: the matmul accumulated in float32, the bias
+  added to it, one rounding to float16."""
+  acc = jax.lax.dot_general(
+    h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+  )
+  return (acc + b.astype(jnp.float32)).astype(H)
+
+
 def block_by_hand(p, x, y, heads):
   """The same with torch's CPU autocast casts written out: matmuls and their
-  biases in float16, the residual stream, LayerNorms and loss in float32."""
+  biases in float16 (the bias added before the one rounding), the residual
+  stream, LayerNorms and loss in float32."""
   batch, seq, dim = x.shape
   hp = {k: p[k].astype(H) for k in HALF_PARAMS}
 
@@ -64,12 +74,14 @@ def block_by_hand(p, x, y, heads):
     return t.reshape(batch, seq, heads, dim // heads).transpose(0, 2, 1, 3)
 
   h = layer_norm(x, p["ln1_w"], p["ln1_b"]).astype(H)
-  q, k, v = map(split, jnp.split(h @ hp["wqkv"].T + hp["bqkv"], 3, -1))
+  q, k, v = map(split, jnp.split(linear16(h, hp["wqkv"], hp["bqkv"]), 3, -1))
   a = jax.nn.softmax(q @ k.swapaxes(-1, -2) / math.sqrt(dim // heads), -1)
   o = (a @ v).transpose(0, 2, 1, 3).reshape(batch, seq, dim)
-  x = x + (o @ hp["wo"].T + hp["bo"]).astype(jnp.float32)
+  x = x + linear16(o, hp["wo"], hp["bo"]).astype(jnp.float32)
   h = layer_norm(x, p["ln2_w"], p["ln2_b"]).astype(H)
-  mlp = jax.nn.gelu(h @ hp["w1"].T + hp["b1"], approximate=False) @ hp["w2"].T + hp["b2"]
+  mlp = linear16(
+    jax.nn.gelu(linear16(h, hp["w1"], hp["b1"]), approximate=False), hp["w2"], hp["b2"]
+  )
   x = x + mlp.astype(jnp.float32)
   return jnp.mean((x - y) ** 2)
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
 # The name scope autocast_disabled puts its function's equations in.
@@ -95,6 +96,9 @@ class _Interpreter:
     # "broadcast" for values broadcast or reshaped to a higher rank (a bias),
     # "const" for a literal broadcast to an array (promotes like a scalar).
     self._origin: dict[int, tuple[Any, str]] = {}
+    # id(output of a LOWER primitive in dtype) -> (output, primitive, params,
+    # its half operands): what a bias add needs to add inside the op.
+    self._lower_ops: dict[int, tuple[Any, Any, dict[str, Any], list[Any]]] = {}
 
   def _mark(self, x: Any, kind: str) -> Any:
     self._origin[id(x)] = (x, kind)
@@ -104,14 +108,23 @@ class _Interpreter:
     hit = self._origin.get(id(x))
     return hit[1] if hit is not None and hit[0] is x else None
 
-  def _is_bias_add(self, args: list[Any]) -> bool:
-    """``add(matmul_or_conv_output, b)`` with ``b`` broadcast to it (a bias)."""
+  def _bias_add(self, args: list[Any]) -> tuple[Any, Any] | None:
+    """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` broadcast to it."""
     if len(args) != 2:
-      return False
+      return None
     for out, b in (args, args[::-1]):
       if self._kind(out) == "lower" and (self._kind(b) == "broadcast" or np.size(b) < np.size(out)):
-        return True
-    return False
+        return out, b
+    return None
+
+  def _add_inside(self, out: Any, bias: Any) -> Any:
+    """``out + bias`` as torch's ``linear``/``addmm``/``conv`` compute it: the
+    bias added to the float32 accumulator, the sum rounded to ``dtype`` once."""
+    hit = self._lower_ops.get(id(out))
+    if hit is None or hit[0] is not out or np.ndim(bias) != np.ndim(out):
+      return None
+    _, primitive, params, (lhs, rhs) = hit
+    return _with_bias(primitive, params, lhs, rhs, self.cast(bias, self.dtype))
 
   def fresh(self) -> _Interpreter:
     """An interpreter with the same policy and its own cache (for a nested trace)."""
@@ -196,15 +209,21 @@ class _Interpreter:
         for i in floats:
           args[i] = self.cast(args[i], self.dtype)
         params["preferred_element_type"] = self.dtype
-      else:
-        return self.original(eqn, args)
+        out = eqn.primitive.bind(*args, **params)
+        if len(args) == 2:
+          self._lower_ops[id(out)] = (out, eqn.primitive, params, args)
+        return out
+      return self.original(eqn, args)
     elif name in self.fp32:
       for i in floats:
         if np.dtype(args[i].dtype) in HALF:
           args[i] = self.cast(args[i], F32)
-    elif name == "add" and self._is_bias_add(args):
+    elif name == "add" and (bias_add := self._bias_add(args)) is not None:
       # A bias added to a matmul or conv output: torch's linear, addmm and conv
-      # add their bias inside the op, in the lower dtype.
+      # add their bias inside the op, in the lower dtype, rounding once.
+      fused = self._add_inside(*bias_add)
+      if fused is not None:
+        return fused
       for i in floats:
         args[i] = self.cast(args[i], self.dtype)
     else:
@@ -256,6 +275,39 @@ class _Interpreter:
       return self.fresh().eval_jaxpr(closed.jaxpr, closed.consts, args)
 
     return fn
+
+
+def _with_bias(primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias: Any) -> Any:
+  """``primitive(lhs, rhs) + bias`` (all in one half dtype) rounded once: the bias
+  is added to the float32 result before the rounding, as torch's kernels add it
+  to their accumulator. The derivative is torch's backward of ``linear``: half
+  matmuls of the half cotangent, and the bias gradient summed in float32 and
+  rounded once."""
+  half = bias.dtype
+  wide = dict(params, preferred_element_type=F32)
+
+  @jax.custom_jvp
+  def fused(lhs: Any, rhs: Any, bias: Any) -> Any:
+    acc = primitive.bind(lhs, rhs, **wide)
+    return lax.convert_element_type(lax.add_p.bind(acc, bias.astype(F32)), half)
+
+  def fused_jvp(primals: Any, tangents: Any) -> Any:
+    lhs, rhs, bias = primals
+    d_lhs, d_rhs, d_bias = tangents
+    terms = [
+      primitive.bind(*operands, **params).astype(F32)  # half products, summed in float32
+      for operands, d in (((d_lhs, rhs), d_lhs), ((lhs, d_rhs), d_rhs))
+      if not isinstance(d, SymbolicZero)
+    ]
+    if not isinstance(d_bias, SymbolicZero):
+      terms.append(d_bias.astype(F32))
+    out = fused(lhs, rhs, bias)
+    if not terms:
+      return out, jnp.zeros_like(out)
+    return out, lax.convert_element_type(functools.reduce(lax.add_p.bind, terms), half)
+
+  fused.defjvp(fused_jvp, symbolic_zeros=True)
+  return fused(lhs, rhs, bias)
 
 
 def _bind_params(eqn: Any) -> dict[str, Any]:
