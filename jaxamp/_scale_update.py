@@ -6,18 +6,16 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxamp._config import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
-from jaxamp._exact import multiply_exact_either
+from jaxamp._exact import float_bits, multiply_exact_either
 
 
 def _is_nonzero(x: jax.Array) -> jax.Array:
   """``x != 0`` read from the bits, so a subnormal float counts (XLA flushes it)."""
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return x != 0
-  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  return (bits & 0x7FFFFFFF) != 0
+  return (float_bits(x) & 0x7FFFFFFF) != 0
 
 
 _ARGUMENTS = {  # name: (what it must be, accepted dtypes, accepted Python types)

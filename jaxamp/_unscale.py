@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxamp._exact import float_bits
 from jaxamp._finite import leaf_finite_flags
 from jaxamp._validation import check_float_gradients
 
@@ -38,7 +39,7 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
   to zero, so ``g * inv_scale`` is computed as ``(g * high) * low``, which is
   torch's correctly rounded product wherever the result is a normal float."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
-  bits = lax.bitcast_convert_type(loss_scale, jnp.int32)
+  bits = float_bits(loss_scale)
   sign = bits & ~0x7FFFFFFF
   fraction, biased = bits & 0x7FFFFF, (bits >> 23) & 0xFF
   is_subnormal = (biased == 0) & (fraction != 0)

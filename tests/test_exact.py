@@ -179,3 +179,45 @@ def test_multiply_exact_either_selects_the_factor_before_multiplying():
       factor = first if use_first else second
       direct = jax.jit(jax.vmap(lambda s, f=factor: multiply_exact(s, f)))(scales)
       assert np.asarray(either).tobytes() == np.asarray(direct).tobytes()
+
+
+def test_power_of_two_factors_match_float64_reference_on_every_kind_of_scale():
+  # torch's default factors, 2.0 and 0.5, take the short path: every float32
+  # class (subnormal, normal, near overflow, zero, inf, NaN, both signs) and
+  # exponents that overflow, underflow and round to a subnormal.
+  from jaxamp._exact import _power_of_two_exponent, multiply_exact_either
+
+  rng = np.random.default_rng(20261201)
+  edges = np.array(
+    [0, 1, 2, 3, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF, 0x800000, 0x800001, 0xC00000,
+     0x3F800000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000],
+    np.uint32,
+  )  # fmt: skip
+  bits = np.concatenate([rng.integers(0, 1 << 32, 20_000, dtype=np.uint64), edges, edges | 1 << 31])
+  scales = bits.astype(np.uint32).view(np.float32)
+  for factor in (2.0, 0.5, 4, 2.0**-20, 2.0**100, 2.0**-149, 2.0**-1074, np.float32(0.25)):
+    assert _power_of_two_exponent(factor) is not None
+    actual = jax.jit(jax.vmap(lambda s, f=factor: multiply_exact(s, f)))(scales)
+    _assert_bit_equal(actual, _reference(scales, np.float64(factor)))
+    either = jax.jit(jax.vmap(lambda s, f=factor: multiply_exact_either(s, True, f, 2.0)))(scales)
+    _assert_bit_equal(either, _reference(scales, np.float64(factor)))
+  for factor in (0.3, 3.0, -2.0, 0.0, np.inf, True, jnp.float32(2.0)):
+    assert _power_of_two_exponent(factor) is None
+
+
+def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
+  # XLA CPU runs with denormals-are-zero, and LLVM rewrites the integer test
+  # `bits & 0x7FFFFFFF != 0` of a bitcast float as `x != 0.0` where the select
+  # that consumes it also returns x: then a subnormal x reads as zero.
+  from jaxamp._exact import float_bits
+  from jaxamp._unscale import inverse_scale
+
+  subnormal = jnp.float32(2.0**-149)
+  nonzero = jax.jit(lambda x, y: jnp.where((float_bits(x) & 0x7FFFFFFF) != 0, y, x))
+  assert float(nonzero(subnormal, jnp.float32(3.0))) == 3.0
+  for kernel, expected in (
+    (lambda s, u: jnp.where(u, multiply_exact(s, 0.5), s), _reference(subnormal, 0.5)),
+    (lambda s, u: jnp.where(u, multiply_exact(s, 0.3), s), _reference(subnormal, 0.3)),
+    (lambda s, u: jnp.where(u, inverse_scale(s), s), np.float32(np.inf)),
+  ):
+    _assert_bit_equal(jax.jit(kernel)(subnormal, jnp.bool_(True)), expected)
