@@ -11,7 +11,7 @@ from jax import lax
 
 def varying_axes(x: Any) -> frozenset:
   """The mesh axes a value varies over inside ``shard_map`` (empty elsewhere)."""
-  aval = jax.typeof(x)
+  aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
   varying = getattr(aval, "vma", None)
   if varying is None:  # newer JAX spells it manual_axis_type.varying
     varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())

@@ -44,7 +44,7 @@ from jaxamp._core import (
 from jaxamp._optimizer import Optimizer, per_param_leaf, updated
 from jaxamp._scaling import multiply_by_scale
 from jaxamp._schedules import advance_schedule_counts
-from jaxamp._transform import typed_like
+from jaxamp._transform import OutputTypes, typed_like
 from jaxamp._unscale import finite_leaves, unscale
 from jaxamp._validation import check_float_gradients, check_no_none_gradients, check_same_structure
 
@@ -93,15 +93,16 @@ def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
   """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``
   (with the schedules advanced, for ``schedule_counts="iterations"``)."""
   tx, schedule_counts = static
+  types = OutputTypes()
 
   def apply():
-    return updated(tx, grads, opt_state, params, **extra_args)
+    return types.record(updated(tx, grads, opt_state, params, **extra_args))
 
   def skip():
     state = advance_schedule_counts(opt_state) if schedule_counts == "iterations" else opt_state
-    return params, typed_like(state, jax.eval_shape(apply)[1])
+    return params, typed_like(state, types.of(apply)[1])
 
-  return lax.cond(found_inf, skip, apply)
+  return lax.cond(jnp.logical_not(found_inf), apply, skip)
 
 
 def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:

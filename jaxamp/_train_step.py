@@ -26,6 +26,7 @@ from jaxamp._transform import (
   KNOWN_CHECK,
   DynamicLossScaleState,
   KnownCheck,
+  OutputTypes,
   check_gradients,
   core_of,
 )
@@ -184,9 +185,10 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
     return optax.apply_updates(params, updates), new_state
   nonfinite, found_inf = check_gradients(grads, scale_state, config)
   parts = inverse_parts(scale_state.loss_scale)  # outside the cond: see unscale_by
+  types = OutputTypes()  # recorded by the applied branch, read by the skipped one
 
   def update(params, opt_state, found_inf):
-    check = KnownCheck(nonfinite, parts, found_inf, eager)
+    check = KnownCheck(nonfinite, parts, found_inf, eager, types)
     return tx.update(grads, opt_state, params, **extra_args, **{KNOWN_CHECK: check})
 
   def skip(params, opt_state):

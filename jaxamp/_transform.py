@@ -68,14 +68,16 @@ class KnownCheck:
   """The check of the gradients, made by ``jaxamp.apply_scaled_updates`` in
   front of the transformation and passed to ``update`` as the extra argument
   ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags, the scale's ``inverse_parts``
-  (computed outside the caller's ``lax.cond``) and, static, ``found_inf`` and
-  whether the call is eager (then the caller checks the skip limit after it)."""
+  (computed outside the caller's ``lax.cond``) and, static, ``found_inf``,
+  whether the call is eager (then the caller checks the skip limit after it)
+  and the :class:`OutputTypes` both of the caller's branches share."""
 
-  def __init__(self, nonfinite: jax.Array, parts: tuple, found_inf: bool, eager: bool):
+  def __init__(self, nonfinite, parts, found_inf: bool, eager: bool, types: OutputTypes):
     self.nonfinite, self.parts, self.found_inf, self.eager = nonfinite, parts, found_inf, eager
+    self.types = types
 
   def tree_flatten(self):
-    return (self.nonfinite, self.parts), (self.found_inf, self.eager)
+    return (self.nonfinite, self.parts), (self.found_inf, self.eager, self.types)
 
   @classmethod
   def tree_unflatten(cls, static, children):
@@ -83,6 +85,23 @@ class KnownCheck:
 
 
 KNOWN_CHECK = "jaxamp_known_check"
+
+
+class OutputTypes:
+  """The types of the inner update's output, recorded where the applied step
+  is traced, so that the skipped step's zeros and state need not trace it a
+  second time (``lax.cond`` traces its true branch, the applied step, first;
+  otherwise the skipped step falls back to ``jax.eval_shape``)."""
+
+  def __init__(self):
+    self.recorded: Any = None
+
+  def record(self, output: Any) -> Any:
+    self.recorded = jax.tree.map(jax.typeof, output)
+    return output
+
+  def of(self, step, *args) -> Any:
+    return self.recorded if self.recorded is not None else jax.eval_shape(step, *args)
 
 
 def check_gradients(grads: Any, state: DynamicLossScaleState, config: LossScaleConfig):
@@ -115,9 +134,9 @@ def typed_like(value: Any, template: Any) -> Any:
   return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
 
 
-def _skipped(applied_step, grads, inner_state, params):
+def _skipped(applied_step, types, grads, inner_state, params):
   """Zero updates and the untouched inner state, typed as ``applied_step``'s output."""
-  updates_out, state_out = jax.eval_shape(applied_step, grads, inner_state, params)
+  updates_out, state_out = types.of(applied_step, grads, inner_state, params)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_out)
   return typed_like(zeros, updates_out), typed_like(inner_state, state_out)
 
@@ -135,20 +154,21 @@ def _update(static, grads, state, params, extra_args, known, injected):
     parts = inverse_parts(state.loss_scale)  # outside the cond: see unscale_by
   else:
     nonfinite, found_inf, parts = known.nonfinite, known.found_inf, known.parts
+  types = OutputTypes() if known is None else known.types
   zero = runtime_zero(state.loss_scale)
 
   def apply(grads, inner_state, params):
     # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels;
     # `rounded` keeps each value rounded as torch materialises it (no FMA).
     unscaled = jax.tree.map(lambda g: rounded(g, zero), unscale_by(grads, parts))
-    return inner.update(unscaled, inner_state, params, **extra_args)
+    return types.record(inner.update(unscaled, inner_state, params, **extra_args))
 
   def skip(grads, inner_state, params):
     if labels is not None:  # only the groups whose own gradients hold inf/NaN
       skipped = skipped_leaves(nonfinite, labels)
       applied = apply(grads, inner_state, params)
       return skip_groups(labels, skipped, applied, inner_state, config.schedule_counts)
-    updates, inner_state = _skipped(apply, grads, inner_state, params)
+    updates, inner_state = _skipped(apply, types, grads, inner_state, params)
     if config.schedule_counts == "iterations":
       inner_state = advance_schedule_counts(inner_state)
     return updates, inner_state
