@@ -39,8 +39,10 @@ the step's inputs: one fewer read than donated on the jaxamp rows). Aliased
 equal to read means no donated buffer is copied.
 
 Each step is compiled with ``.lower(...).compile()`` (the ``compile s`` column:
-tracing, lowering and XLA compilation) and the compiled step is called in the
-loop. Every contender runs in this one process, interleaved step by step, with
+tracing, lowering and XLA compilation, of a fresh step function each time;
+the median of ``--compile-repeats`` compiles, interleaved between contenders,
+as a single compile varies by 20-30% here) and the compiled step is called in
+the loop. Every contender runs in this one process, interleaved step by step, with
 ``jax.block_until_ready`` on everything the step returns (and, for NNX,
 the model's and optimizer's state); 2 warm-up rounds are
 left out; median and p10-p90 over ``--repeats`` rounds. The first loss of every
@@ -200,12 +202,16 @@ class LinenRunner:
       ).replace(step=jnp.int32(0))  # an array: the compiled step's input type
       for _ in range(1 if kind == "plain" else 2)
     ]
-    self.tokens = tokens
-    start = time.perf_counter()
-    self.step = linen_step(kind).lower(self.states[0], tokens, jnp.float32(1.0)).compile()
-    self.compile_s = time.perf_counter() - start
+    self.tokens, self.kind, self.compile_times = tokens, kind, []
+    self.compile()
     self.donated = len(jax.tree.leaves(self.states[0]))
     self.metrics = [None, None]
+
+  def compile(self):
+    """Traces, lowers and compiles a fresh step function (no cache can answer)."""
+    start = time.perf_counter()
+    self.step = linen_step(self.kind).lower(self.states[0], self.tokens, jnp.float32(1.0)).compile()
+    self.compile_times.append(time.perf_counter() - start)
 
   def __call__(self, which, poison):
     out = self.step(self.states[which], self.tokens, poison)
@@ -253,13 +259,18 @@ class NnxRunner:
     for _ in range(1 if kind == "plain" else 2):
       model = NnxGPT(cfg.vocab, cfg.seq + 1, cfg.width, cfg.layers, cfg.heads, nnx.Rngs(0))
       self.pairs.append((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
-    self.tokens = tokens
+    self.tokens, self.kind, self.compile_times = tokens, kind, []
+    self.compile()
     model, optimizer = self.pairs[0]
-    start = time.perf_counter()
-    self.step = nnx_step(kind).lower(model, optimizer, tokens, jnp.float32(1.0)).compile()
-    self.compile_s = time.perf_counter() - start
     self.donated = len(jax.tree.leaves(nnx.state((model, optimizer))))
     self.metrics = [None, None]
+
+  def compile(self):
+    """Traces, lowers and compiles a fresh step function (no cache can answer)."""
+    model, optimizer = self.pairs[0]
+    start = time.perf_counter()
+    self.step = nnx_step(self.kind).lower(model, optimizer, self.tokens, jnp.float32(1.0)).compile()
+    self.compile_times.append(time.perf_counter() - start)
 
   def __call__(self, which, poison):
     model, optimizer = self.pairs[which]
@@ -302,12 +313,15 @@ def main():
   parser.add_argument("--vocab", type=int, default=8192)
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument(
+    "--compile-repeats", type=int, default=3, help="compiles per contender, interleaved; median"
+  )
+  parser.add_argument(
     "--quick", action="store_true", help="smoke test: a tiny model (2x32 tokens), 3 repeats"
   )
   args = parser.parse_args()
   if args.quick:
     args.batch, args.seq, args.width, args.layers, args.heads, args.vocab = 2, 32, 64, 2, 2, 512
-    args.repeats = 3
+    args.repeats, args.compile_repeats = 3, 1
   rng = np.random.default_rng(0)
   # seq + 1 tokens per row: the model reads seq of them and predicts the next.
   tokens = jnp.asarray(rng.integers(0, args.vocab, (args.batch, args.seq + 1)), jnp.int32)
@@ -349,11 +363,18 @@ def main():
       runner.aliased, runner.read = donation_counts(runner.step)
       runner.alias_note = f"{runner.aliased}/{runner.read}/{runner.donated}"
       print(
-        f"  {name}: compiled in {runner.compile_s:.1f} s; donated buffers: {runner.donated}, "
+        f"  {name}: compiled in {runner.compile_times[0]:.1f} s; donated buffers: {runner.donated}, "
         f"{runner.read} read by the step, {runner.aliased} of them updated in place",
         flush=True,
       )
       runners[name] = runner
+  for _ in range(args.compile_repeats - 1):  # interleaved, as the steps are run
+    for runner in runners.values():
+      runner.compile()
+  for name, runner in runners.items():
+    runner.compile_s = statistics.median(runner.compile_times)
+    times_s = ", ".join(f"{t:.1f}" for t in runner.compile_times)
+    print(f"  {name}: compile times {times_s} s, median {runner.compile_s:.1f} s", flush=True)
   rows = [(name, w) for name in runners for w in ((0,) if "plain" in name else (0, 1))]
   poisons = (jnp.float32(1.0), jnp.float32(np.inf))
   times = {row: [] for row in rows}
