@@ -7,9 +7,11 @@ then runs behind a bounds check, and LLVM does not vectorize a loop that loads
 a scalar inside that check. Plain Adam's moment kernels read no runtime scalar
 and stay vectorized; jaxamp's unscale puts one in each of them.
 
-For one leaf of ``--size`` elements and one of ``--size + 1`` (even and odd on
-this 2-core machine, which splits each kernel in two), float32 and float16
-grads, this compiles plain ``optax.adam`` and ``jaxamp.apply_scaled_updates``
+For one leaf of each of ``--shapes`` (by default 4,000,000 and 4,000,001
+elements, even and odd on this 2-core machine, which splits each kernel in
+two, and shapes of several dimensions: what counts is the number of
+elements, as XLA CPU indexes a kernel's arrays flat), float32
+and float16 grads, this compiles plain ``optax.adam`` and ``jaxamp.apply_scaled_updates``
 with XLA's dumps on, counts the leaf-sized kernels whose optimized LLVM IR
 holds vector instructions, and times each step (donated, interleaved, median).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import re
 import statistics
@@ -40,12 +43,13 @@ ADAM = optax.adam(1e-3)
 TX = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
 
 
-def kernels(module: str, size: int) -> tuple[int, int]:
-  """(vectorized, all) among the kernels of ``module`` that loop over ``size`` elements."""
+def kernels(module: str, shape: tuple[int, ...]) -> tuple[int, int]:
+  """(vectorized, all) among the kernels of ``module`` that loop over a ``shape`` array."""
   vectorized = total = 0
+  array_type = f"[{math.prod(shape)} x "  # XLA CPU's kernels index arrays flat
   for path in glob.glob(os.path.join(DUMP, f"*.{module}.*kernel_module.ir-no-opt.ll")):
     with open(path) as f:
-      if not re.search(rf"\[{size} x (float|half)\]", f.read()):
+      if not re.search(re.escape(array_type) + "(float|half)", f.read()):
         continue
     with open(path.replace("ir-no-opt", "ir-with-opt")) as f:
       vectorized += bool(re.search(r"<\d+ x (float|half)>", f.read()))
@@ -68,34 +72,38 @@ def step_function(name: str, contender: str):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", type=int, default=4_000_000)
+  parser.add_argument(
+    "--shapes", default="4000000,4000001,4001x1000,4001x999,7x7x256x320,7x7x255x321"
+  )
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args()
   runs = {}
-  for size in (args.size, args.size + 1):
+  for shape in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
+    label = "x".join(map(str, shape))
     for grads in ("f32", "f16"):
-      g = {"w": jnp.ones(size, jnp.float32 if grads == "f32" else jnp.float16)}
+      g = {"w": jnp.ones(shape, jnp.float32 if grads == "f32" else jnp.float16)}
       for contender in ("adam", "jaxamp"):
-        name = f"{contender}_{grads}_{size}"
+        name = f"{contender}_{grads}_{label}"
         opt = ADAM if contender == "adam" else TX
-        p = {"w": jnp.ones(size, jnp.float32)}
+        p = {"w": jnp.ones(shape, jnp.float32)}
         fn = jax.jit(step_function(name, contender), donate_argnums=(0, 1))
         compiled = fn.lower(p, opt.init(p), g).compile()
-        runs[(size, grads, contender)] = [compiled, p, opt.init(p), g, []]
+        runs[(shape, grads, contender)] = [compiled, p, opt.init(p), g, []]
   for _ in range(args.repeats + 2):
     for run in runs.values():
       start = time.perf_counter()
       run[1], run[2] = jax.block_until_ready(run[0](run[1], run[2], run[3]))
       run[4].append(time.perf_counter() - start)
   print(f"# {os.cpu_count()} cores, jax {jax.__version__}, {args.repeats} repeats; dumps in {DUMP}")
-  print("| leaf size | grads | contender | median ms | / adam | vectorized kernels |")
-  print("|---:|---|---|---:|---:|---:|")
-  for (size, grads, contender), run in runs.items():
+  print("| leaf shape | grads | contender | median ms | / adam | vectorized kernels |")
+  print("|---|---|---|---:|---:|---:|")
+  for (shape, grads, contender), run in runs.items():
+    label = "x".join(map(str, shape))
     ms = statistics.median(run[4][2:]) * 1e3
-    base = statistics.median(runs[(size, grads, "adam")][4][2:]) * 1e3
-    vectorized, total = kernels(f"jit_{contender}_{grads}_{size}", size)
+    base = statistics.median(runs[(shape, grads, "adam")][4][2:]) * 1e3
+    vectorized, total = kernels(f"jit_{contender}_{grads}_{label}", shape)
     print(
-      f"| {size:,} | {grads} | {contender} | {ms:.2f} | {ms / base:.2f} | {vectorized}/{total} |"
+      f"| {label} | {grads} | {contender} | {ms:.2f} | {ms / base:.2f} | {vectorized}/{total} |"
     )
   sys.stdout.flush()
 
