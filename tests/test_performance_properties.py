@@ -133,6 +133,54 @@ def test_apply_scaled_updates_traces_once_for_many_steps():
   assert len(traces) == 1
 
 
+def _counting(inner, calls):
+  """``inner`` with each trace (or eager call) of its update counted in ``calls``."""
+
+  def update(updates, state, params=None):
+    calls.append(1)
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update)
+
+
+@pytest.mark.parametrize("form", ["helper", "optax", "grad_scaler"])
+def test_each_step_traces_the_optimizer_once(form):
+  # The skipped branch reuses the types the applied branch recorded instead of
+  # tracing the optimizer a second time for them (compile time), and holds no
+  # tracer of the applied branch (the leak checker would fail the trace).
+  calls = []
+  inner = _counting(optax.adam(1e-3), calls)
+  params, grads = _params(), _normal_grads(0)
+  with jax.checking_leaks():
+    if form == "grad_scaler":
+      scaler = jaxamp.GradScaler(init_scale=4.0)
+      opt = jaxamp.Optimizer(inner, params)
+      loss_fn = lambda p: scaler.scale(sum(jnp.sum(x**2) for x in jax.tree.leaves(p)))
+      opt.grads = jax.grad(loss_fn)(opt.params)
+      scaler.step(opt)
+    else:
+      tx = jaxamp.dynamic_loss_scale(inner, init_scale=4.0)
+      state = tx.init(params)
+      if form == "helper":
+        jax.jit(jaxamp.apply_scaled_updates, static_argnums=0)(tx, grads, state, params)
+      else:
+        jax.jit(tx.update)(grads, state, params)
+  assert len(calls) == 1
+
+
+def test_skipped_step_types_come_from_eval_shape_when_nothing_was_recorded():
+  from jaxamp._transform import OutputTypes
+
+  def step(x):
+    return x.astype(jnp.bfloat16), {"count": jnp.int32(0)}
+
+  x = jnp.ones(3)
+  assert OutputTypes().of(step, x) == jax.eval_shape(step, x)
+  recorded = OutputTypes()
+  recorded.record(step(x))
+  assert [t.dtype for t in jax.tree.leaves(recorded.of(step, x))] == [jnp.bfloat16, jnp.int32]
+
+
 def _copies_of_param_sized_buffers(hlo: str) -> list[str]:
   sizes = {f"f32[{','.join(map(str, s))}]" for s in SHAPES.values()}
   return [
