@@ -30,13 +30,14 @@ _PRODUCT_BITS = _PRODUCT_LIMBS * _LIMB_BITS
 
 
 def float_bits(x) -> jax.Array:
-  """The int32 bits of a float32 ``x`` (a NaN's lowest bit aside), for integer tests.
+  """The int32 bits of a float32 ``x``, for integer tests of a number's bits.
 
   A plain bitcast is not enough inside an XLA CPU kernel: LLVM turns integer
   tests of it back into float compares (``bits & 0x7FFFFFFF == 0`` into
   ``x == 0.0``), which the CPU's denormals-are-zero mode answers wrongly for a
   subnormal ``x``. XOR-ing the bits with ``isnan(x)``, zero for every number,
-  hides the bitcast from LLVM.
+  hides the bitcast from LLVM. A NaN's lowest bit comes back flipped (one NaN
+  then has inf's bits): test for inf and NaN with ``jnp.isinf``/``jnp.isnan``.
   """
   x = jnp.asarray(x, jnp.float32)
   return lax.bitcast_convert_type(x, jnp.int32) ^ jnp.isnan(x).astype(jnp.int32)
@@ -64,8 +65,8 @@ def _unpack_f32(x) -> _Unpacked:
   significand = jnp.where(biased == 0, fraction, fraction | 0x800000)
   limbs = [significand & _LIMB_MASK, significand >> _LIMB_BITS]
   exponent = jnp.maximum(biased, 1) - 150
-  special = biased == 0xFF
-  return _Unpacked(bits < 0, limbs, exponent, special & (fraction == 0), special & (fraction != 0))
+  x = jnp.asarray(x, jnp.float32)  # inf and NaN by float tests (see float_bits)
+  return _Unpacked(bits < 0, limbs, exponent, jnp.isinf(x), jnp.isnan(x))
 
 
 def _unpack_f64_words(hi, lo) -> _Unpacked:

@@ -221,3 +221,11 @@ def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
     (lambda s, u: jnp.where(u, inverse_scale(s), s), np.float32(np.inf)),
   ):
     _assert_bit_equal(jax.jit(kernel)(subnormal, jnp.bool_(True)), expected)
+
+
+@pytest.mark.parametrize("factor", [0.3, 2.0, 0.5, 1e-30])
+def test_every_nan_scale_stays_nan(factor):
+  # Signalling NaNs included: 0x7F800001 differs from inf's bits in the lowest bit only.
+  patterns = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x7FFFFFFF, 0x7FA00000], np.uint32)
+  actual = jax.jit(jax.vmap(lambda s: multiply_exact(s, factor)))(patterns.view(np.float32))
+  assert np.isnan(np.asarray(actual)).all()
