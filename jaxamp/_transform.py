@@ -93,7 +93,7 @@ class OutputTypes:
   second time (``lax.cond`` traces its true branch, the applied step, first;
   otherwise the skipped step falls back to ``jax.eval_shape``)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.recorded: Any = None
 
   def record(self, output: Any) -> Any:
