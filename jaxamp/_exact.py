@@ -187,11 +187,9 @@ def _times_power_of_two(x, k):
   result below ``2**-126`` loses bits, rounded to nearest-even as the cast to
   float32 does. Zero, inf and NaN come back as they are.
   """
-  x = jnp.asarray(x, jnp.float32)
-  bits = float_bits(x)
-  biased = (bits >> 23) & 0xFF
-  significand = jnp.where(biased == 0, bits & 0x7FFFFF, (bits & 0x7FFFFF) | 0x800000)
-  exponent = jnp.maximum(biased, 1) - 150 + k  # x * 2**k == significand * 2**exponent
+  a = _unpack_f32(x)
+  significand = a.limbs[0] | (a.limbs[1] << _LIMB_BITS)
+  exponent = a.exponent + k  # x * 2**k == significand * 2**exponent
   top = 31 - lax.clz(significand)  # the significand's highest set bit
   normal_bits = ((top + exponent + 127) << 23) | ((significand << (23 - top)) & 0x7FFFFF)
   shift = jnp.clip(-149 - exponent, -31, 31)  # to units of 2**-149
@@ -204,8 +202,8 @@ def _times_power_of_two(x, k):
     0x7F800000,
     jnp.where(top + exponent >= -126, normal_bits, subnormal_bits),
   )
-  product = lax.bitcast_convert_type(magnitude_bits | (bits & ~0x7FFFFFFF), jnp.float32)
-  return jnp.where((biased == 0xFF) | ((bits & 0x7FFFFFFF) == 0), x, product)  # inf, NaN, 0
+  product = lax.bitcast_convert_type(magnitude_bits | (a.sign.astype(jnp.int32) << 31), jnp.float32)
+  return jnp.where(a.is_inf | a.is_nan | a.is_zero, jnp.asarray(x, jnp.float32), product)
 
 
 def multiply_exact(x, factor):
