@@ -215,6 +215,11 @@ def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
   subnormal = jnp.float32(2.0**-149)
   nonzero = jax.jit(lambda x, y: jnp.where((float_bits(x) & 0x7FFFFFFF) != 0, y, x))
   assert float(nonzero(subnormal, jnp.float32(3.0))) == 3.0
+  # update_loss_scale's found_inf test, in the shape that read a subnormal as zero before
+  from jaxamp._scale_update import _is_nonzero
+
+  found = jax.jit(lambda f: jnp.where(_is_nonzero(f), jnp.float32(5.0), f))(subnormal)
+  assert float(found) == 5.0
   for kernel, expected in (
     (lambda s, u: jnp.where(u, multiply_exact(s, 0.5), s), _reference(subnormal, 0.5)),
     (lambda s, u: jnp.where(u, multiply_exact(s, 0.3), s), _reference(subnormal, 0.3)),
