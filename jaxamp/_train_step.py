@@ -21,6 +21,7 @@ from jaxamp._accumulation import (
 from jaxamp._compile import call_compiled, traced
 from jaxamp._core import check_skip_limit
 from jaxamp._groups import skipped_leaves
+from jaxamp._layout import row_major
 from jaxamp._state_access import INJECT_STATES, find_loss_scale_state
 from jaxamp._transform import (
   KNOWN_CHECK,
@@ -161,6 +162,7 @@ def apply_scaled_updates(
 
 def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
   tx, eager = static
+  grads = row_major(grads)  # before the conds: see row_major
   if not isinstance(opt_state, AccumulateGradientsState):
     return _fused_step(tx, grads, opt_state, params, extra_args, eager)
   total = accumulated(grads, opt_state)

@@ -15,6 +15,7 @@ from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
+from jaxamp._layout import row_major
 from jaxamp._schedules import advance_schedule_counts
 from jaxamp._unscale import finite_leaves, inverse_parts, rounded, runtime_zero, unscale_by
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
@@ -150,6 +151,7 @@ def _update(static, grads, state, params, extra_args, known, injected):
   else:
     inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
   if known is None:
+    grads = row_major(grads)  # before the cond: see row_major
     nonfinite, found_inf = check_gradients(grads, state, config)
     parts = inverse_parts(state.loss_scale)  # outside the cond: see unscale_by
   else:

@@ -299,3 +299,35 @@ def test_dynamic_loss_scale_fused_unscaling_keeps_torchs_rounded_unscaled_grads(
   for k in SHAPES:
     assert expected[k].dtype == np.float32
     assert np.asarray(got[k]).tobytes() == expected[k].tobytes(), k
+
+
+@pytest.mark.parametrize("form", ["helper", "optax"])
+def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
+  # XLA CPU writes a float16 dot's weight gradient column-major; without a
+  # lax.cond it propagates the params' row-major layout back to the dot. The
+  # step's cond used to stop that, and its branch then copied each weight
+  # gradient into row-major (1.7x a plain step at batch 1, BENCHMARKS.md,
+  # "Gradient layout"). Plain Adam is the control.
+  params = {"w1": jnp.full((384, 1536), 0.01), "w2": jnp.full((1536, 384), 0.01)}
+  x = jnp.ones((16, 384), jnp.float16)
+
+  def loss(p):
+    h = jax.nn.gelu(x @ p["w1"].astype(jnp.float16))
+    return jnp.mean((h @ p["w2"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+  def layout_copies(tx, form):
+    def step(p, s):
+      g = jax.grad(loss)(p)
+      if form == "helper":
+        return jaxamp.apply_scaled_updates(tx, g, s, p)
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    hlo = jitted.lower(params, tx.init(params)).compile().as_text()
+    # A kernel that only copies its operand: the weight gradient, relaid out.
+    pattern = r"ROOT %copy[.0-9]* = f32\[(384,1536|1536,384)\]\S* copy\(%param"
+    return [line.strip() for line in hlo.splitlines() if re.search(pattern, line)]
+
+  assert layout_copies(optax.adam(1e-3), "optax") == []
+  assert layout_copies(jaxamp.dynamic_loss_scale(optax.adam(1e-3)), form) == []
