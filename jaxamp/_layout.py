@@ -24,12 +24,12 @@ def row_major(grads: Any) -> Any:
   """``grads``, each leaf of two or more dimensions in row-major layout on XLA CPU.
 
   XLA CPU's backward pass writes a weight's gradient column-major (the layout
-  its dot produces) and, where the optimizer reads it directly, propagates the
-  parameter's row-major layout back to the dot instead. A ``lax.cond`` stops
-  that propagation: its branch then transposes every such gradient into a copy
-  before the optimizer's kernels read it, which made a whole training step of
-  a 17M-parameter Transformer at batch 1 1.7x slower (BENCHMARKS.md, "Gradient
-  layout"). The constraint lets the dot write row-major. It changes no value;
+  its dot produces). A plain step's optimizer kernels read it so, with the
+  transposition fused into them. Behind a ``lax.cond``, XLA instead copied each
+  such gradient into row-major in a kernel of its own, and the check read it
+  strided: a whole training step of a 17M-parameter Transformer at batch 1
+  took 1.5-1.6x the plain step (BENCHMARKS.md, "Gradient layout"). Constrained,
+  the dot writes it row-major and nothing is transposed. It changes no value;
   on other platforms, and outside a trace, ``grads`` is returned as it is.
   """
   if not traced(grads):

@@ -303,11 +303,11 @@ def test_dynamic_loss_scale_fused_unscaling_keeps_torchs_rounded_unscaled_grads(
 
 @pytest.mark.parametrize("form", ["helper", "optax"])
 def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
-  # XLA CPU writes a float16 dot's weight gradient column-major; without a
-  # lax.cond it propagates the params' row-major layout back to the dot. The
-  # step's cond used to stop that, and its branch then copied each weight
-  # gradient into row-major (1.7x a plain step at batch 1, BENCHMARKS.md,
-  # "Gradient layout"). Plain Adam is the control.
+  # XLA CPU writes a float16 dot's weight gradient column-major; plain Adam's
+  # kernels read it so, the transposition fused into them (the control). Behind
+  # the step's lax.cond, its branch used to copy each weight gradient into
+  # row-major in a kernel of its own (1.5-1.6x a plain step at batch 1,
+  # BENCHMARKS.md, "Gradient layout").
   params = {"w1": jnp.full((384, 1536), 0.01), "w2": jnp.full((1536, 384), 0.01)}
   x = jnp.ones((16, 384), jnp.float16)
 
