@@ -11,13 +11,8 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jaxamp._compile import traced
 
 
-def _row_major_leaf(grad: Any) -> Any:
-  if getattr(grad, "ndim", 0) < 2:
-    return grad
-  layout = Layout(tuple(range(grad.ndim)))
-  return lax.platform_dependent(
-    grad, cpu=lambda g: with_layout_constraint(g, layout), default=lambda g: g
-  )
+def _constrained(*leaves: Any) -> tuple:
+  return tuple(with_layout_constraint(g, Layout(tuple(range(g.ndim)))) for g in leaves)
 
 
 def row_major(grads: Any) -> Any:
@@ -32,6 +27,14 @@ def row_major(grads: Any) -> Any:
   the dot writes it row-major and nothing is transposed. It changes no value;
   on other platforms, and outside a trace, ``grads`` is returned as it is.
   """
-  if not traced(grads):
+  leaves, treedef = jax.tree.flatten(grads)
+  matrices = [i for i, g in enumerate(leaves) if getattr(g, "ndim", 0) >= 2]
+  if not matrices or not traced(grads):
     return grads
-  return jax.tree.map(_row_major_leaf, grads)
+  # One platform_dependent for the tree: one case to lower, not one a leaf.
+  constrained = lax.platform_dependent(
+    *(leaves[i] for i in matrices), cpu=_constrained, default=lambda *ls: ls
+  )
+  for i, leaf in zip(matrices, constrained):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)

@@ -331,3 +331,14 @@ def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
 
   assert layout_copies(optax.adam(1e-3), "optax") == []
   assert layout_copies(jaxamp.dynamic_loss_scale(optax.adam(1e-3)), form) == []
+
+
+def test_row_major_changes_no_value_and_keeps_the_tree():
+  from jaxamp._layout import row_major
+
+  grads = {"w": jnp.arange(12.0).reshape(3, 4).T, "b": jnp.arange(3.0), "none": None, "s": 2.0}
+  assert row_major(grads) is grads  # outside a trace: as it is
+  out = jax.jit(row_major)(grads)
+  assert jax.tree.structure(out) == jax.tree.structure(grads)
+  for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(grads)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
