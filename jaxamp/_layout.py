@@ -29,7 +29,7 @@ def row_major(grads: Any) -> Any:
   """
   leaves, treedef = jax.tree.flatten(grads)
   matrices = [i for i, g in enumerate(leaves) if getattr(g, "ndim", 0) >= 2]
-  if not matrices or not traced(grads):
+  if not matrices or not traced(leaves):
     return grads
   # One platform_dependent for the tree: one case to lower, not one a leaf.
   constrained = lax.platform_dependent(

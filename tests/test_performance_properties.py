@@ -316,14 +316,8 @@ def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
     return jnp.mean((h @ p["w2"].astype(jnp.float16)).astype(jnp.float32) ** 2)
 
   def layout_copies(tx, form):
-    def step(p, s):
-      g = jax.grad(loss)(p)
-      if form == "helper":
-        return jaxamp.apply_scaled_updates(tx, g, s, p)
-      updates, s = tx.update(g, s, p)
-      return optax.apply_updates(p, updates), s
-
-    jitted = jax.jit(step, donate_argnums=(0, 1))
+    step = _helper_step(tx) if form == "helper" else _reference_step(tx)
+    jitted = jax.jit(lambda p, s: step(jax.grad(loss)(p), s, p), donate_argnums=(0, 1))
     hlo = jitted.lower(params, tx.init(params)).compile().as_text()
     # A kernel that only copies its operand: the weight gradient, relaid out.
     pattern = r"ROOT %copy[.0-9]* = f32\[(384,1536|1536,384)\]\S* copy\(%param"
