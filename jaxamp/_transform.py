@@ -15,6 +15,7 @@ from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes
 from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
+from jaxamp._in_place import apply_unless
 from jaxamp._layout import row_major
 from jaxamp._schedules import advance_schedule_counts
 from jaxamp._unscale import finite_leaves, inverse_parts, rounded, runtime_zero, unscale_by
@@ -151,9 +152,9 @@ def _update(static, grads, state, params, extra_args, known, injected):
   else:
     inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
   if known is None:
-    grads = row_major(grads)  # before the cond: see row_major
+    grads = row_major(grads)  # before the step's loop or cond: see row_major
     nonfinite, found_inf = check_gradients(grads, state, config)
-    parts = inverse_parts(state.loss_scale)  # outside the cond: see unscale_by
+    parts = inverse_parts(state.loss_scale)  # outside the loop or cond: see unscale_by
   else:
     nonfinite, found_inf, parts = known.nonfinite, known.found_inf, known.parts
   types = OutputTypes() if known is None else known.types
@@ -176,10 +177,15 @@ def _update(static, grads, state, params, extra_args, known, injected):
     return updates, inner_state
 
   operands = (grads, state.inner_state, params)
-  if known is None:
-    updates, inner_state = lax.cond(~found_inf, apply, skip, *operands)
-  else:  # apply_scaled_updates runs each branch with found_inf known: no cond here
+  if known is not None:  # apply_scaled_updates runs each branch with found_inf known
     updates, inner_state = (skip if known.found_inf else apply)(*operands)
+  elif labels is not None or config.max_consecutive_skips is not None:
+    # A skipped step still applies the finite groups; the skip limit's checkify
+    # cannot check a loop that vmap batched (see apply_unless).
+    updates, inner_state = lax.cond(~found_inf, apply, skip, *operands)
+  else:
+    on_skip = advance_schedule_counts if config.schedule_counts == "iterations" else None
+    updates, inner_state = apply_unless(found_inf, apply, skip, *operands, on_skip=on_skip)
   core = advance(core_of(state), found_inf, config, eager=eager or bool(known and known.eager))
   nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
   return updates, state._replace(
@@ -233,7 +239,8 @@ def dynamic_loss_scale(
     else:          updates, inner_state = inner.update(unscaled, inner_state, params)
     loss_scale, growth_tracker = update_loss_scale(...)           # torch's rule
 
-  The inner update is not computed on a skipped step (``lax.cond``), and the
+  The inner update is not computed on a skipped step (a loop of zero trips,
+  whose in-place carry also gives the updates the gradients' buffer), and the
   inner state comes back bit-identical. Transformations chained inside
   ``inner`` (e.g. ``optax.clip_by_global_norm``) see unscaled gradients; put
   none in front of the scaler, where they would see scaled ones.

@@ -390,3 +390,48 @@ def test_dynamic_loss_scale_update_outside_jit_compiles_once(backend_compiles):
     _, state = tx.update(g, state, params)
   assert backend_compiles == []
   assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0
+
+
+def test_optax_form_skips_a_first_step_whose_update_widens_the_state():
+  # optax's Adam under inject_hyperparams widens a bfloat16 parameter's moments
+  # on its first update: the inner update returns other types than it takes
+  # (no in-place loop can carry them). A skipped first step returns them typed
+  # as an applied one would, the values untouched, and zero updates.
+  params = {"w": jnp.array([1.0, -2.0], jnp.bfloat16), "norm": jnp.array([0.5, 3.0])}
+  tx = jaxamp.dynamic_loss_scale(optax.inject_hyperparams(optax.adam)(1e-3), init_scale=4.0)
+  state = tx.init(params)
+  finite = {"w": jnp.array([8.0, -4.0], jnp.bfloat16), "norm": jnp.array([2.0, 6.0])}
+  bad = {**finite, "w": jnp.array([jnp.inf, -4.0], jnp.bfloat16)}
+  step = jax.jit(tx.update)
+  applied_updates, applied = step(finite, state, params)
+  updates, skipped = step(bad, state, params)
+  assert bool(skipped.found_inf) and not bool(applied.found_inf)
+  widened = [a.dtype != i.dtype for a, i in zip(*map(jax.tree.leaves, (applied, state)))]
+  assert any(widened)  # the case this test is about
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(applied_updates)):
+    assert got.dtype == want.dtype and not np.any(np.asarray(got, np.float32))
+  leaves = map(jax.tree.leaves, (skipped.inner_state, applied.inner_state, state.inner_state))
+  for got, typed, value in zip(*leaves):
+    assert got.dtype == typed.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(value, np.float64))
+
+
+@pytest.mark.parametrize("nesting", ["vmap_of_jit", "checkify_of_vmap"])
+def test_optax_form_under_vmap_applies_and_skips_each_member_as_alone(nesting):
+  # A vmapped jitted update batches the step's loop; checkify cannot check a
+  # batched loop, so a vmapped update traced under checkify takes a lax.cond.
+  from jax.experimental import checkify
+
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=4.0)
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  grads = {"w": jnp.array([[4.0, 8.0, -4.0], [jnp.inf, 1.0, 1.0]])}
+  states = jax.vmap(tx.init)({"w": jnp.stack([params["w"]] * 2)})
+  update = lambda g, s: tx.update(g, s, params)
+  if nesting == "vmap_of_jit":
+    batched = jax.vmap(jax.jit(update))(grads, states)
+  else:
+    err, batched = jax.jit(checkify.checkify(jax.vmap(update)))(grads, states)
+    err.throw()
+  for member in range(2):
+    alone = jax.jit(update)(*jax.tree.map(lambda x: x[member], (grads, states)))
+    assert bits(jax.tree.map(lambda x: x[member], batched)) == bits(alone), member

@@ -1,0 +1,72 @@
+"""The optax form's applied-or-skipped step, with the updates written where the gradients were."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.interpreters.batching import BatchTracer
+
+from jaxamp._compile import traced
+
+
+class _TypesDiffer(Exception):
+  """The inner update returns other types than it takes: no loop can carry them."""
+
+
+def _type(x: Any) -> Any:
+  return jax.typeof(x).strip_weak_type()
+
+
+def apply_unless(
+  found_inf: jax.Array,
+  apply: Callable,
+  skip: Callable,
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  on_skip: Callable | None = None,
+) -> tuple[Any, Any]:
+  """``lax.cond(~found_inf, apply, skip, grads, inner_state, params)``, in place.
+
+  ``optax.apply_updates`` reads the updates after ``tx.update`` returns them,
+  so they must come out as arrays. A ``lax.cond``'s outputs are a fresh
+  buffer: XLA writes the updates there while the gradients are still live,
+  and reads them back (a 17M-parameter step at batch 1 carried 49 MiB more
+  temporaries than the plain step, and took 1.11x its time; BENCHMARKS.md,
+  "Session 9"). Here the step is a ``lax.while_loop`` of zero or one trip,
+  whose carry XLA updates in place: the updates take the gradients' buffer,
+  and a skipped step (zero trips) returns the inner state untouched and zeros.
+
+  Where the inner update returns other types than it takes (structure, shapes,
+  dtypes: optax's Adam widens a bfloat16 parameter's moments on its first
+  update), no loop can carry them, and this is the ``lax.cond``. ``on_skip``,
+  when given, is what a skipped step does to the inner state (torch's
+  schedule counts); it must change only a few leaves and return the others as
+  they are.
+  """
+
+  def body(carry):
+    go, grads, inner_state = carry
+    out = apply(grads, inner_state, params)
+    (got, structure), (want, carried) = map(jax.tree.flatten, (out, (grads, inner_state)))
+    if structure != carried or list(map(_type, got)) != list(map(_type, want)):
+      raise _TypesDiffer
+    return (~go, *out)  # one trip: go is True here
+
+  # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
+  # vmap its predicate is batched, and checkify cannot check a batched loop.
+  if not traced(found_inf) or isinstance(found_inf, BatchTracer):
+    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
+  try:
+    _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))
+  except _TypesDiffer:
+    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
+  updates = jax.tree.map(lambda u: jnp.where(found_inf, jnp.zeros_like(u), u), updates)
+  if on_skip is not None:  # select only the leaves a skipped step changes
+    advanced = on_skip(state)
+    state = jax.tree.map(lambda a, s: s if a is s else jnp.where(found_inf, a, s), advanced, state)
+  return updates, state
