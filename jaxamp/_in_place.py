@@ -33,13 +33,15 @@ def apply_unless(
   """``lax.cond(~found_inf, apply, skip, grads, inner_state, params)``, in place.
 
   ``optax.apply_updates`` reads the updates after ``tx.update`` returns them,
-  so they must come out as arrays. A ``lax.cond``'s outputs are a fresh
-  buffer: XLA writes the updates there while the gradients are still live,
-  and reads them back (a 17M-parameter step at batch 1 carried 49 MiB more
-  temporaries than the plain step, and took 1.11x its time; BENCHMARKS.md,
-  "Session 9"). Here the step is a ``lax.while_loop`` of zero or one trip,
-  whose carry XLA updates in place: the updates take the gradients' buffer,
-  and a skipped step (zero trips) returns the inner state untouched and zeros.
+  so they must come out as arrays. A ``lax.cond``'s outputs are a buffer of
+  their own, written while all the gradients are still live: a 17M-parameter
+  training step at batch 1 carried 49 MiB more temporaries than the plain
+  step and took 1.13-1.22x its time (BENCHMARKS.md, "Session 9"). Here the
+  step is a ``lax.while_loop`` of zero or one trip, whose carry XLA updates in
+  place: the updates take the gradients' buffer (1.00-1.05x), and a skipped
+  step (zero trips) returns the inner state untouched and zero updates.
+  Gradients that are an input of the jitted function, not computed in it,
+  are copied into the loop first.
 
   Where the inner update returns other types than it takes (structure, shapes,
   dtypes: optax's Adam widens a bfloat16 parameter's moments on its first

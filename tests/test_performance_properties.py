@@ -259,8 +259,8 @@ def test_optax_form_in_a_whole_step_writes_its_updates_over_the_gradients(schedu
   # In a step that computes its gradients, the optax form's updates take the
   # gradients' buffer (a while loop's in-place carry), so its temporaries are
   # no more than apply_scaled_updates', which applies them where it computes
-  # them. Behind a lax.cond they were a parameter-sized buffer more (1.11x the
-  # plain step at batch 1, BENCHMARKS.md, "Session 9").
+  # them. Behind a lax.cond they were a parameter-sized buffer more (1.13-1.22x
+  # the plain step at batch 1, BENCHMARKS.md, "Session 9").
   params = {"w1": jnp.full((384, 1536), 0.01), "w2": jnp.full((1536, 384), 0.01)}
   loss = _mlp_loss(jnp.ones((16, 384), jnp.float16))
   tx = jaxamp.dynamic_loss_scale(
