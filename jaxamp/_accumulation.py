@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._distributed import zeros_of_type
+
 
 class AccumulateGradientsState(NamedTuple):
   """State of :func:`accumulate_gradients`.
@@ -99,7 +101,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
 
     def hold(total, inner_state, params):
       shapes, _ = jax.eval_shape(end, total, inner_state, params)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      zeros = jax.tree.map(zeros_of_type, shapes)
       return zeros, within_window(state, total)
 
     return lax.cond(window_ends(state, every_k), end, hold, total, state.inner_state, params)

@@ -18,6 +18,16 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(varying or ())
 
 
+def zeros_of_type(aval: Any) -> jax.Array:
+  """Zeros of ``aval``'s shape and dtype, sharded as it is where its mesh axes
+  are ``Explicit`` (there a value's sharding is part of its type; elsewhere
+  XLA chooses, as for any array)."""
+  sharding = getattr(aval, "sharding", None)
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in axis_types)
+  return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding if explicit else None)
+
+
 def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 

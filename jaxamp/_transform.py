@@ -13,7 +13,7 @@ from jax import lax
 from jaxamp._compile import call_compiled, traced
 from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
-from jaxamp._distributed import all_reduce_found_inf, varying_axes
+from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
 from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
 from jaxamp._in_place import apply_unless
 from jaxamp._layout import row_major
@@ -139,7 +139,7 @@ def typed_like(value: Any, template: Any) -> Any:
 def _skipped(applied_step, types, grads, inner_state, params):
   """Zero updates and the untouched inner state, typed as ``applied_step``'s output."""
   updates_out, state_out = types.of(applied_step, grads, inner_state, params)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates_out)
+  zeros = jax.tree.map(zeros_of_type, updates_out)
   return typed_like(zeros, updates_out), typed_like(inner_state, state_out)
 
 

@@ -18,6 +18,7 @@ a target of process 1's rows only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
@@ -150,8 +151,10 @@ def _devices_checks() -> dict:
 
   checks = {}
 
-  def jit_sharded(on):
-    tx = jaxamp.dynamic_loss_scale(optax.adam(0.1), **scaler)
+  def jit_sharded(on, in_mesh=False, **options):
+    """The optax form under jit; ``in_mesh``: every step under ``jax.set_mesh``,
+    where an Explicit axis makes each value's sharding part of its type."""
+    tx = jaxamp.dynamic_loss_scale(optax.adam(0.1), **scaler, **options)
     p = params(on)
     if on is mesh:
       state = init(tx, p)  # Explicit axes: jit needs the mesh context
@@ -165,7 +168,8 @@ def _devices_checks() -> dict:
 
     out = {"param_specs": specs(p), "state_specs": state_spec_strings(state), "steps": []}
     for i in range(4):
-      new_p, updates, new_state = step(p, state, grads(i, on))
+      with jax.set_mesh(on) if in_mesh else contextlib.nullcontext():
+        new_p, updates, new_state = step(p, state, grads(i, on))
       out["steps"].append(
         {
           "param_specs": specs(new_p),
@@ -184,6 +188,25 @@ def _devices_checks() -> dict:
       )
       p, state = new_p, new_state
     return out
+
+  def accumulate_in_mesh():
+    """accumulate_gradients(dynamic_loss_scale(adam), 2) under jax.set_mesh, Explicit
+    axes: the first window holds the inf (skipped), the second applies."""
+    tx = jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(optax.adam(0.1), **scaler), 2)
+    p = params()
+    state = init(tx, p)
+
+    @jax.jit
+    def step(p, state, g):
+      updates, state = tx.update(g, state, p)
+      return optax.apply_updates(p, updates), state
+
+    after = []
+    with jax.set_mesh(mesh):
+      for i in range(4):  # grads(1) holds the inf
+        p, state = step(p, state, grads(i))
+        after.append({k: shards(v) for k, v in p.items()})
+    return {"params_after": after, "specs": specs(p)}
 
   def shard_map_run(axis_name):
     """Per-device scale and found_inf stacked (out spec P('data')), params per shard."""
@@ -397,6 +420,12 @@ def _devices_checks() -> dict:
   runs = {
     "jit_sharded": lambda: jit_sharded(mesh),
     "jit_sharded_auto_axes": lambda: jit_sharded(auto_mesh),
+    "jit_sharded_in_mesh": lambda: jit_sharded(mesh, in_mesh=True),
+    "accumulate_in_mesh": accumulate_in_mesh,
+    # with the skip limit the step is a lax.cond, whose skipped branch makes zeros
+    "jit_sharded_in_mesh_skip_limit": lambda: jit_sharded(
+      mesh, in_mesh=True, max_consecutive_skips=3
+    ),
     "shard_map_axis_name": lambda: shard_map_run("data"),
     "shard_map_no_axis_name": lambda: shard_map_run(None),
     "shard_map_replicated_out_axis_name": lambda: shard_map_replicated_out("data"),

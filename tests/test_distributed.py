@@ -250,7 +250,14 @@ def _mode(processes, name):
 # jax.jit with NamedSharding over 8 devices
 
 
-JIT_RUNS = ["jit_sharded", "jit_sharded_auto_axes"]  # jax.make_mesh (Explicit), Mesh (Auto)
+# jax.make_mesh (Explicit), Mesh (Auto); Explicit with each step under jax.set_mesh,
+# in the optax form's loop and, with the skip limit, its lax.cond
+JIT_RUNS = [
+  "jit_sharded",
+  "jit_sharded_auto_axes",
+  "jit_sharded_in_mesh",
+  "jit_sharded_in_mesh_skip_limit",
+]
 
 
 @pytest.mark.parametrize("run", JIT_RUNS)
@@ -297,6 +304,17 @@ def test_dynamic_loss_scale_jit_sharded_keeps_param_shardings_and_replicates_sta
       "consecutive_skipped_steps",
     ):
       assert specs[field] == "P()", field
+
+
+def test_accumulate_gradients_in_an_explicit_mesh_skips_the_window_with_inf(devices):
+  # The window's held steps return zeros typed as the updates, Explicit
+  # sharding included (jax.set_mesh makes it part of the type).
+  result = _check(devices, "accumulate_in_mesh")
+  first, second, third, fourth = result["params_after"]
+  initial = _check(devices, "jit_sharded")["steps"][0]["params_before"]  # the same params
+  assert first == second == initial  # held, then skipped
+  assert third == second and fourth != third  # held, then applied
+  assert result["specs"] == {"w": "P('data',)", "m": "P('data',)", "r": "P()"}
 
 
 # --------------------------------------------------------------------------
