@@ -24,8 +24,10 @@ def row_major(grads: Any) -> Any:
   such gradient into row-major in a kernel of its own, and the check read it
   strided: a whole training step of a 17M-parameter Transformer at batch 1
   took 1.5-1.6x the plain step (BENCHMARKS.md, "Gradient layout"). Constrained,
-  the dot writes it row-major and nothing is transposed. It changes no value;
-  on other platforms, and outside a trace, ``grads`` is returned as it is.
+  each is transposed in the kernel that materialises it (where the dot's
+  float32 output is rounded to the compute dtype and back), and nothing copies
+  it again. It changes no value; on other platforms, and outside a trace,
+  ``grads`` is returned as it is.
   """
   leaves, treedef = jax.tree.flatten(grads)
   matrices = [i for i, g in enumerate(leaves) if getattr(g, "ndim", 0) >= 2]
