@@ -1,4 +1,4 @@
-"""One skip decision for all devices: the all-reduced finiteness flag."""
+"""One skip decision for all devices, and the mesh types of a skipped step's zeros."""
 
 from __future__ import annotations
 
