@@ -28,6 +28,8 @@ def apply_unless(
   grads: Any,
   inner_state: Any,
   params: Any,
+  *,
+  in_place: bool = True,
   on_skip: Callable | None = None,
 ) -> tuple[Any, Any]:
   """``lax.cond(~found_inf, apply, skip, grads, inner_state, params)``, in place.
@@ -45,7 +47,8 @@ def apply_unless(
 
   Where the inner update returns other types than it takes (structure, shapes,
   dtypes: optax's Adam widens a bfloat16 parameter's moments on its first
-  update), no loop can carry them, and this is the ``lax.cond``. ``on_skip``,
+  update), no loop can carry them, and this is the ``lax.cond``; so it is
+  with ``in_place=False``, eagerly, and under ``vmap``. ``on_skip``,
   when given, is what a skipped step does to the inner state (torch's
   schedule counts); it must change only a few leaves and return the others as
   they are.
@@ -59,14 +62,17 @@ def apply_unless(
       raise _TypesDiffer
     return (~go, *out)  # one trip: go is True here
 
+  def conditional():
+    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
+
   # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
   # vmap its predicate is batched, and checkify cannot check a batched loop.
-  if not traced(found_inf) or isinstance(found_inf, BatchTracer):
-    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
+  if not in_place or not traced(found_inf) or isinstance(found_inf, BatchTracer):
+    return conditional()
   try:
     _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))
   except _TypesDiffer:
-    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
+    return conditional()
   updates = jax.tree.map(lambda u: jnp.where(found_inf, jnp.zeros_like(u), u), updates)
   if on_skip is not None:  # select only the leaves a skipped step changes
     advanced = on_skip(state)

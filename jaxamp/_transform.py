@@ -179,13 +179,14 @@ def _update(static, grads, state, params, extra_args, known, injected):
   operands = (grads, state.inner_state, params)
   if known is not None:  # apply_scaled_updates runs each branch with found_inf known
     updates, inner_state = (skip if known.found_inf else apply)(*operands)
-  elif labels is not None or config.max_consecutive_skips is not None:
-    # A skipped step still applies the finite groups; the skip limit's checkify
-    # cannot check a loop that vmap batched (see apply_unless).
-    updates, inner_state = lax.cond(~found_inf, apply, skip, *operands)
   else:
+    # A skipped step with labels still applies the finite groups; the skip
+    # limit's checkify cannot check a loop that vmap batched: both take the cond.
+    in_place = labels is None and config.max_consecutive_skips is None
     on_skip = advance_schedule_counts if config.schedule_counts == "iterations" else None
-    updates, inner_state = apply_unless(found_inf, apply, skip, *operands, on_skip=on_skip)
+    updates, inner_state = apply_unless(
+      found_inf, apply, skip, *operands, in_place=in_place, on_skip=on_skip
+    )
   core = advance(core_of(state), found_inf, config, eager=eager or bool(known and known.eager))
   nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
   return updates, state._replace(
