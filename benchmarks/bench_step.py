@@ -17,6 +17,10 @@ Contenders (``--contenders``, comma separated):
   jaxamp          dynamic_loss_scale(adam) + apply_updates (the optax form)
   jaxamp_step     jaxamp.apply_scaled_updates(dynamic_loss_scale(adam), ...)
   jaxamp_flat     the same on one flat float32 buffer (ravel_pytree layout)
+  floor           the least any check-then-skip step costs, not torch's arithmetic:
+                  jaxamp.all_finite(grads), then plain Adam on grads * (1 / scale)
+                  inside a lax.cond (no exact inverse, no rounding guard, a fixed
+                  scale): the reference for what checking before updating costs
   adam_flat       plain adam on the flat buffer (reference for jaxamp_flat)
   flax            flax DynamicScale pattern: unscale, all(isfinite), jnp.where
                   select of params and optimizer state
@@ -62,6 +66,7 @@ ALL = [
   "adam",
   "jaxamp",
   "jaxamp_step",
+  "floor",
   "adam_flat",
   "jaxamp_flat",
   "flax",
@@ -90,6 +95,19 @@ def _adam_step(grads, state, params, tx):
 
 def _jaxamp_step(grads, state, params, tx):
   return jaxamp.apply_scaled_updates(tx, grads, state, params)
+
+
+def _floor_step(grads, state, params, tx):
+  inverse = 1.0 / state["scale"]
+
+  def apply(params, opt_state):
+    unscaled = [g.astype(jnp.float32) * inverse for g in grads]
+    return _adam_step(unscaled, opt_state, params, tx)
+
+  params, opt_state = jax.lax.cond(
+    jaxamp.all_finite(grads), apply, lambda p, s: (p, s), params, state["opt"]
+  )
+  return params, {"scale": state["scale"], "opt": opt_state}
 
 
 def _flax_step(grads, state, params, tx):
@@ -143,6 +161,9 @@ def build_jax(name, params, grads):
     tx = jaxamp.dynamic_loss_scale(adam, init_scale=SCALE)
     fn = _adam_step if name == "jaxamp" else _jaxamp_step
     state = tx.init(params)
+  elif name == "floor":
+    tx, fn = adam, _floor_step
+    state = {"scale": jnp.float32(SCALE), "opt": adam.init(params)}
   elif name == "flax":
     tx, fn = adam, _flax_step
     state = {"scale": jnp.float32(SCALE), "fin_steps": jnp.int32(0), "opt": adam.init(params)}
