@@ -19,8 +19,9 @@ Contenders (``--contenders``, comma separated):
   jaxamp_flat     the same on one flat float32 buffer (ravel_pytree layout)
   floor           the least any check-then-skip step costs, not torch's arithmetic:
                   jaxamp.all_finite(grads), then plain Adam on grads * (1 / scale)
-                  inside a lax.cond (no exact inverse, no rounding guard, a fixed
-                  scale): the reference for what checking before updating costs
+                  (multiplied in float32, in the grads' dtype as torch's) inside a
+                  lax.cond (no exact inverse, no rounding guard, a fixed scale):
+                  the reference for what checking before updating costs
   adam_flat       plain adam on the flat buffer (reference for jaxamp_flat)
   flax            flax DynamicScale pattern: unscale, all(isfinite), jnp.where
                   select of params and optimizer state
@@ -101,7 +102,7 @@ def _floor_step(grads, state, params, tx):
   inverse = 1.0 / state["scale"]
 
   def apply(params, opt_state):
-    unscaled = [g.astype(jnp.float32) * inverse for g in grads]
+    unscaled = [(g.astype(jnp.float32) * inverse).astype(g.dtype) for g in grads]
     return _adam_step(unscaled, opt_state, params, tx)
 
   params, opt_state = jax.lax.cond(
