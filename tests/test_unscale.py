@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxamp
@@ -242,3 +243,56 @@ def test_leaf_finite_flags_outside_jit_compiles_once(backend_compiles):
   flags = leaf_finite_flags(poisoned)
   assert np.asarray(flags).tolist() == [True, False, True, True, True]
   assert backend_compiles == []
+
+
+def _every_finite(dtype):
+  """Every finite value of a 16-bit float dtype, once (as a 1-D array)."""
+  values = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype))
+  return values[np.isfinite(values.astype(np.float32))]
+
+
+def _recorder():
+  """An inner optimizer whose state is the unscaled gradients it last received."""
+  return optax.GradientTransformation(
+    lambda params: jax.tree.map(jnp.zeros_like, params),
+    lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+  )
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale", [1.0, 3.0, 2.0**16, 1e-3, 2.0**127, 3.4e38])
+def test_applied_step_unscales_every_finite_half_value_as_torch(scale, dtype, front_end):
+  # What the inner optimizer of an applied step receives, for every finite
+  # float16/bfloat16 gradient, against torch's kernel on the same values.
+  import torch
+
+  grads = _every_finite(dtype)
+  t_grads = torch.from_numpy(grads.view(np.uint16).astype(np.int16)).view(getattr(torch, dtype))
+  inv = torch.full((1,), 1.0 / float(np.float32(scale)), dtype=torch.float32)
+  torch._amp_foreach_non_finite_check_and_unscale_([t_grads], torch.zeros(1), inv)
+  expected = t_grads.view(torch.int16).numpy().view(np.uint16)
+
+  tx = jaxamp.dynamic_loss_scale(_recorder(), init_scale=scale)
+  params = {"g": jnp.zeros(grads.shape, dtype)}
+  state = tx.init(params)
+  g = {"g": jnp.asarray(grads)}
+  if front_end == "apply_scaled_updates":
+    step = jax.jit(lambda g, s, p: jaxamp.apply_scaled_updates(tx, g, s, p)[1])
+  else:
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
+  state = step(g, state, params)
+  assert not bool(state.found_inf)
+  ours = np.asarray(state.inner_state["g"]).view(np.uint16)
+  if dtype == "float16":  # every product XLA flushes is below float16's smallest subnormal
+    assert ours.tobytes() == expected.tobytes()
+  else:  # XLA reads subnormal gradients as zero and flushes float32 products
+    # below 2**-126, both of which bfloat16 holds (docs/torch_semantics.md)
+    tiny = np.finfo(np.float32).tiny
+    values = expected.view(jnp.bfloat16).astype(np.float32)
+    normal = (np.abs(values) > tiny) & (np.abs(grads.astype(np.float32)) >= tiny)
+    assert normal.sum() > 10000
+    assert ours[normal].tobytes() == expected[normal].tobytes()
+    rest = ours[~normal].view(jnp.bfloat16).astype(np.float32)
+    assert np.all((rest == 0) | (ours[~normal] == expected[~normal]))
