@@ -18,7 +18,13 @@ from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
 from jaxamp._in_place import apply_unless
 from jaxamp._layout import row_major
 from jaxamp._schedules import advance_schedule_counts
-from jaxamp._unscale import finite_leaves, inverse_parts, rounded, runtime_zero, unscale_by
+from jaxamp._unscale import (
+  finite_leaves,
+  inverse_parts,
+  rounded_unscaled,
+  runtime_zero,
+  unscale_finite_by,
+)
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
 
 
@@ -161,9 +167,10 @@ def _update(static, grads, state, params, extra_args, known, injected):
   zero = runtime_zero(state.loss_scale)
 
   def apply(grads, inner_state, params):
-    # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels;
-    # `rounded` keeps each value rounded as torch materialises it (no FMA).
-    unscaled = jax.tree.map(lambda g: rounded(g, zero), unscale_by(grads, parts))
+    # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels,
+    # where the gradients are finite; `rounded_unscaled` keeps each value
+    # rounded as torch materialises it (no FMA).
+    unscaled = rounded_unscaled(unscale_finite_by(grads, parts), zero)
     return types.record(inner.update(unscaled, inner_state, params, **extra_args))
 
   def skip(grads, inner_state, params):

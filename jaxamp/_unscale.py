@@ -170,6 +170,54 @@ def unscale_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
+def unscale_finite_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+  """:func:`unscale_by` for gradients known to be finite: an applied step's.
+
+  A float16 gradient is then ``f16(f32(g) * inv)``, one multiply and no
+  ``inv == 1`` select, which is torch's value for every finite float16 ``g``
+  at every scale: float16 values are normal floats in float32, and any
+  product XLA flushes (a float32 product below ``2**-126``, or one by a
+  subnormal ``inv``, which XLA reads as zero) rounds to a zero of the same
+  sign in float16. The other dtypes are unscaled as :func:`unscale_by` does.
+  """
+  inverse = parts[0]
+
+  def leaf(g: jax.Array) -> jax.Array:
+    if g.dtype == jnp.float16:
+      return (g.astype(jnp.float32) * inverse).astype(jnp.float16)
+    return _unscale_leaf(g, parts)
+
+  return jax.tree.map(leaf, grads)
+
+
+def _kept(*leaves: jax.Array) -> tuple:
+  return leaves
+
+
+def rounded_unscaled(unscaled: Any, zero: jax.Array) -> Any:
+  """Each unscaled gradient :func:`rounded`, except float16 and bfloat16 ones on XLA CPU.
+
+  Those come out of a narrowing convert, which no XLA CPU pass removes, so
+  they are rounded already, and the guard's integer XOR costs a half-precision
+  step some 10% there (BENCHMARKS.md, "Session 10"). Elsewhere they keep it:
+  XLA GPU's ``simplify-fp-conversions`` may drop a convert pair when it allows
+  excess precision, which the guard prevents.
+  """
+  leaves, treedef = jax.tree.flatten(unscaled)
+  halves = [i for i, g in enumerate(leaves) if g.dtype in (jnp.float16, jnp.bfloat16)]
+  out = [rounded(g, zero) for g in leaves]
+  if halves:
+    # One platform_dependent for the tree: one case to lower, not one a leaf.
+    kept = lax.platform_dependent(
+      *(leaves[i] for i in halves),
+      cpu=_kept,
+      default=lambda *ls: tuple(rounded(g, zero) for g in ls),
+    )
+    for i, g in zip(halves, kept):
+      out[i] = g
+  return jax.tree.unflatten(treedef, out)
+
+
 def _check_loss_scale(loss_scale: Any) -> None:
   dtype, shape = getattr(loss_scale, "dtype", None), getattr(loss_scale, "shape", ())
   is_float = (
