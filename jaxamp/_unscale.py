@@ -205,7 +205,7 @@ def rounded_unscaled(unscaled: Any, zero: jax.Array) -> Any:
   """
   leaves, treedef = jax.tree.flatten(unscaled)
   halves = [i for i, g in enumerate(leaves) if g.dtype in (jnp.float16, jnp.bfloat16)]
-  out = [rounded(g, zero) for g in leaves]
+  out = [g if i in halves else rounded(g, zero) for i, g in enumerate(leaves)]
   if halves:
     # One platform_dependent for the tree: one case to lower, not one a leaf.
     kept = lax.platform_dependent(
