@@ -296,3 +296,32 @@ def test_applied_step_unscales_every_finite_half_value_as_torch(scale, dtype, fr
     assert ours[normal].tobytes() == expected[normal].tobytes()
     rest = ours[~normal].view(jnp.bfloat16).astype(np.float32)
     assert np.all((rest == 0) | (ours[~normal] == expected[~normal]))
+
+
+@pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize(
+  "inner",
+  [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3, weight_decay=0.1)],
+  ids=["adam", "sgd_momentum", "adamw"],
+)
+def test_applied_step_optimizes_the_half_grads_as_rounded(inner, dtype, front_end):
+  # The inner optimizer's arithmetic starts from the unscaled gradients
+  # rounded to their dtype, as torch materialises them: its state equals the
+  # state it reaches from those gradients materialised, bit for bit (the
+  # unrounded float32 product never reaches it, guard or not).
+  rng = np.random.default_rng(0)
+  shapes = {"a": (256, 130), "b": (1001,)}
+  grads = {k: jnp.asarray(rng.standard_normal(s) * 300, dtype) for k, s in shapes.items()}
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=3.0)
+  if front_end == "apply_scaled_updates":
+    step = jax.jit(lambda g, s, p: jaxamp.apply_scaled_updates(tx, g, s, p)[1])
+  else:
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])
+  ours = step(grads, tx.init(params), params).inner_state
+  unscaled, _ = jaxamp.unscale_and_check(grads, jnp.float32(3.0))
+  unscaled = jax.tree.map(np.asarray, unscaled)  # materialised
+  expected = jax.jit(inner.update)(unscaled, inner.init(params), params)[1]
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(expected)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
