@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxamp._compile import traced
+from jaxamp._platform import map_by_platform
 
 
-def _constrained(*leaves: Any) -> tuple:
-  return tuple(with_layout_constraint(g, Layout(tuple(range(g.ndim)))) for g in leaves)
+def _constrained(g: Any) -> Any:
+  return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
+
+
+def _is_matrix(g: Any) -> bool:
+  return getattr(g, "ndim", 0) >= 2
 
 
 def row_major(grads: Any) -> Any:
@@ -29,14 +32,6 @@ def row_major(grads: Any) -> Any:
   it again. It changes no value; on other platforms, and outside a trace,
   ``grads`` is returned as it is.
   """
-  leaves, treedef = jax.tree.flatten(grads)
-  matrices = [i for i, g in enumerate(leaves) if getattr(g, "ndim", 0) >= 2]
-  if not matrices or not traced(leaves):
+  if not traced(grads):
     return grads
-  # One platform_dependent for the tree: one case to lower, not one a leaf.
-  constrained = lax.platform_dependent(
-    *(leaves[i] for i in matrices), cpu=_constrained, default=lambda *ls: ls
-  )
-  for i, leaf in zip(matrices, constrained):
-    leaves[i] = leaf
-  return jax.tree.unflatten(treedef, leaves)
+  return map_by_platform(grads, _is_matrix, cpu=_constrained, default=lambda g: g)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -10,6 +11,7 @@ from jax import lax
 
 from jaxamp._exact import float_bits
 from jaxamp._finite import leaf_finite_flags
+from jaxamp._platform import map_by_platform
 from jaxamp._validation import check_float_gradients
 
 
@@ -190,8 +192,8 @@ def unscale_finite_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array])
   return jax.tree.map(leaf, grads)
 
 
-def _kept(*leaves: jax.Array) -> tuple:
-  return leaves
+def _is_half(g: jax.Array) -> bool:
+  return g.dtype in (jnp.float16, jnp.bfloat16)
 
 
 def rounded_unscaled(unscaled: Any, zero: jax.Array) -> Any:
@@ -203,19 +205,10 @@ def rounded_unscaled(unscaled: Any, zero: jax.Array) -> Any:
   XLA GPU's ``simplify-fp-conversions`` may drop a convert pair when it allows
   excess precision, which the guard prevents.
   """
-  leaves, treedef = jax.tree.flatten(unscaled)
-  halves = [i for i, g in enumerate(leaves) if g.dtype in (jnp.float16, jnp.bfloat16)]
-  out = [g if i in halves else rounded(g, zero) for i, g in enumerate(leaves)]
-  if halves:
-    # One platform_dependent for the tree: one case to lower, not one a leaf.
-    kept = lax.platform_dependent(
-      *(leaves[i] for i in halves),
-      cpu=_kept,
-      default=lambda *ls: tuple(rounded(g, zero) for g in ls),
-    )
-    for i, g in zip(halves, kept):
-      out[i] = g
-  return jax.tree.unflatten(treedef, out)
+  guarded = jax.tree.map(lambda g: g if _is_half(g) else rounded(g, zero), unscaled)
+  return map_by_platform(
+    guarded, _is_half, cpu=lambda g: g, default=functools.partial(rounded, zero=zero)
+  )
 
 
 def _check_loss_scale(loss_scale: Any) -> None:

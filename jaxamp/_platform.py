@@ -1,0 +1,32 @@
+"""Leaves computed one way on XLA CPU and another elsewhere, in one ``lax.platform_dependent``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+
+
+def map_by_platform(
+  tree: Any, chosen: Callable[[Any], bool], *, cpu: Callable, default: Callable
+) -> Any:
+  """``tree`` with each leaf for which ``chosen(leaf)`` holds mapped by ``cpu``
+  on XLA CPU and by ``default`` elsewhere; the other leaves as they are.
+
+  One ``lax.platform_dependent`` for the whole tree: one case to lower, not
+  one a leaf.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  picked = [i for i, leaf in enumerate(leaves) if chosen(leaf)]
+  if not picked:
+    return tree
+  mapped = lax.platform_dependent(
+    *(leaves[i] for i in picked),
+    cpu=lambda *ls: tuple(map(cpu, ls)),
+    default=lambda *ls: tuple(map(default, ls)),
+  )
+  for i, leaf in zip(picked, mapped):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
