@@ -35,11 +35,16 @@ def _subnormal_reciprocal_bits(bits: jax.Array) -> jax.Array:
   return floor + (high < jnp.left_shift(1, t - 23)).astype(jnp.int32)
 
 
-def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """torch's ``inv_scale``, and ``(high, low)`` with ``inv_scale == high * low``
-  in exact arithmetic and both normal floats: XLA flushes a subnormal operand
-  to zero, so ``g * inv_scale`` is computed as ``(g * high) * low``, which is
-  torch's correctly rounded product wherever the result is a normal float."""
+def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """torch's ``inv_scale``, ``(high, low)`` with ``inv_scale == high * low``
+  in exact arithmetic and both normal floats, and ``inv_scale == 1``.
+
+  XLA flushes a subnormal operand to zero, so ``g * inv_scale`` is computed as
+  ``(g * high) * low``, which is torch's correctly rounded product wherever
+  the result is a normal float. ``inv_scale == 1`` is torch's pass-through,
+  computed here once: compared in each leaf's unscale, it was one more
+  operand per leaf of the step's loop, which XLA carries through it
+  (BENCHMARKS.md, "Session 11")."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   bits = float_bits(loss_scale)
   sign = bits & ~0x7FFFFFFF
@@ -65,6 +70,7 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
     inverse,
     jnp.where(is_large, high, inverse),
     jnp.where(is_large, jnp.float32(2.0**-64), jnp.float32(1.0)),
+    inverse == 1.0,
   )
 
 
@@ -87,12 +93,12 @@ def inverse_scale(loss_scale: jax.Array) -> jax.Array:
 
 
 def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
-  inverse, high, low = parts
+  _, high, low, is_one = parts
   if grad.dtype == jnp.float64:
     product = grad * (high.astype(jnp.float64) * low.astype(jnp.float64))
   else:  # float32, and float16/bfloat16 in float32 "opmath", cast back
     product = ((grad.astype(jnp.float32) * high) * low).astype(grad.dtype)
-  return jnp.where(inverse == 1.0, grad, product)  # torch's inv == 1 shortcut
+  return jnp.where(is_one, grad, product)  # torch's inv == 1 shortcut
 
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -161,7 +167,7 @@ def unscale(grads: Any, loss_scale: jax.Array) -> Any:
   return unscale_by(grads, inverse_parts(loss_scale))
 
 
-def unscale_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+def unscale_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
   """:func:`unscale` with the scale's :func:`inverse_parts` computed already.
 
   Inside ``jit``, compute them outside the ``lax.cond`` whose branch unscales:
@@ -172,7 +178,7 @@ def unscale_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
-def unscale_finite_by(grads: Any, parts: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+def unscale_finite_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
   """:func:`unscale_by` for gradients known to be finite: an applied step's.
 
   A float16 gradient is then ``f16(f32(g) * inv)``, one multiply and no
