@@ -42,8 +42,8 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
   XLA flushes a subnormal operand to zero, so ``g * inv_scale`` is computed as
   ``(g * high) * low``, which is torch's correctly rounded product wherever
   the result is a normal float. ``inv_scale == 1`` is torch's pass-through,
-  computed here once: compared in each leaf's unscale, it was one more
-  operand per leaf of the step's loop, which XLA carries through it
+  compared here once: compared in each leaf's unscale, XLA hoisted one copy
+  per leaf out of the optax form's loop and carried each through it
   (BENCHMARKS.md, "Session 11")."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   bits = float_bits(loss_scale)
