@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._unscale import leaf_finite_flags
+from jaxamp._torch.unscale import leaf_finite_flags
 
 
 def sum_times_zero(leaves):

@@ -5,8 +5,8 @@ One command on a GPU machine (jax[cuda12] and a CUDA torch installed):
   PYTHONPATH=. python benchmarks/bench_gpu.py
   PYTHONPATH=. python benchmarks/bench_gpu.py --peak-gbps 4800   # H200, if not detected
 
-It times ``jaxamp.unscale_and_check`` (jitted) and the check alone
-(``jaxamp.all_finite``) on the leaf-size mixes of ``bench_step.py`` (equal and
+It times ``jaxamp.ops.unscale_and_check`` (jitted) and the check alone
+(``jaxamp.ops.all_finite``) on the leaf-size mixes of ``bench_step.py`` (equal and
 lognormal sizes, GPT-2 small, ResNet-50 and ViT-B/16: benchmarks/model_shapes.py),
 and torch's fused
 ``torch._amp_foreach_non_finite_check_and_unscale_`` on the same tensors, and
@@ -138,8 +138,8 @@ def _bandwidth(mix, args, device, peak, inner):
   import jaxamp
 
   dtypes = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
-  unscale = jax.jit(jaxamp.unscale_and_check)
-  check = jax.jit(jaxamp.all_finite)
+  unscale = jax.jit(jaxamp.ops.unscale_and_check)
+  check = jax.jit(jaxamp.ops.all_finite)
   for name in args.dtypes.split(","):
     dtype = dtypes[name]
     key = jax.random.key(0)

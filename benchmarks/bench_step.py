@@ -18,7 +18,7 @@ Contenders (``--contenders``, comma separated):
   jaxamp_step     jaxamp.apply_scaled_updates(dynamic_loss_scale(adam), ...)
   jaxamp_flat     the same on one flat float32 buffer (ravel_pytree layout)
   floor           the least any check-then-skip step costs, not torch's arithmetic:
-                  jaxamp.all_finite(grads), then plain Adam on grads * (1 / scale)
+                  jaxamp.ops.all_finite(grads), then plain Adam on grads * (1 / scale)
                   (multiplied in float32, in the grads' dtype as torch's) inside a
                   lax.cond (no exact inverse, no rounding guard, a fixed scale):
                   the reference for what checking before updating costs
@@ -106,7 +106,7 @@ def _floor_step(grads, state, params, tx):
     return _adam_step(unscaled, opt_state, params, tx)
 
   params, opt_state = jax.lax.cond(
-    jaxamp.all_finite(grads), apply, lambda p, s: (p, s), params, state["opt"]
+    jaxamp.ops.all_finite(grads), apply, lambda p, s: (p, s), params, state["opt"]
   )
   return params, {"scale": state["scale"], "opt": opt_state}
 

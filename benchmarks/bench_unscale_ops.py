@@ -27,7 +27,7 @@ from jax import lax
 
 import jaxamp
 from benchmarks.model_shapes import MIXES, describe
-from jaxamp._unscale import inverse_parts, rounded, runtime_zero, unscale_by
+from jaxamp._torch.unscale import inverse_parts, rounded, runtime_zero, unscale_by
 
 ADAM = optax.adam(1e-3)
 
@@ -42,20 +42,20 @@ def skip(p, s, g):
 
 
 def check_cond(p, s, g, scale):
-  return lax.cond(jaxamp.all_finite(g), adam_step, skip, p, s, g)
+  return lax.cond(jaxamp.ops.all_finite(g), adam_step, skip, p, s, g)
 
 
 def multiply(p, s, g, scale):
   inverse = 1.0 / scale
   return lax.cond(
-    jaxamp.all_finite(g), lambda p, s, g: adam_step(p, s, [x * inverse for x in g]), skip, p, s, g
+    jaxamp.ops.all_finite(g), lambda p, s, g: adam_step(p, s, [x * inverse for x in g]), skip, p, s, g
   )
 
 
 def exact_unscale(p, s, g, scale):
   parts = inverse_parts(scale)
   return lax.cond(
-    jaxamp.all_finite(g), lambda p, s, g: adam_step(p, s, unscale_by(g, parts)), skip, p, s, g
+    jaxamp.ops.all_finite(g), lambda p, s, g: adam_step(p, s, unscale_by(g, parts)), skip, p, s, g
   )
 
 
@@ -67,7 +67,7 @@ def with_rounding(p, s, g, scale):
     updates, s = ADAM.update(unscaled, s, p)
     return optax.apply_updates(p, [rounded(u, zero * 2) for u in updates]), s
 
-  return lax.cond(jaxamp.all_finite(g), apply, skip, p, s, g)
+  return lax.cond(jaxamp.ops.all_finite(g), apply, skip, p, s, g)
 
 
 def main():

@@ -18,7 +18,7 @@ Contenders, in two API families (each row's ratio is to its family's plain row):
                     state.apply_gradients
   linen jaxamp fast the same with flax_utils.apply_gradients(state, grads=grads)
   linen naive       the simplest check-then-skip step, not torch's arithmetic: the
-                    loss times a fixed 65536, jaxamp.all_finite(grads), then
+                    loss times a fixed 65536, jaxamp.ops.all_finite(grads), then
                     state.apply_gradients on grads * (1 / 65536) inside a lax.cond
                     (tx=optax.adam). Its compile time is the least that skipping by
                     a lax.cond adds; its step time shows what jaxamp's row-major
@@ -198,7 +198,7 @@ def linen_step(kind):
       def skip(state):
         return state.replace(step=state.step + 1)
 
-      return jax.lax.cond(jaxamp.all_finite(grads), apply, skip, state), loss / NAIVE_SCALE
+      return jax.lax.cond(jaxamp.ops.all_finite(grads), apply, skip, state), loss / NAIVE_SCALE
 
   else:
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax._src import checkify as _checkify
-from jax._src import core as _jax_core
-from jax._src import debugging as _debugging
+from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+
+from jaxamp._xla.jax_internals import checkify as _checkify
+from jaxamp._xla.jax_internals import debug_effect
 
 
 def skip_limit_message(consecutive, update, scale, limit, state_note: str = "") -> str:
@@ -87,9 +88,9 @@ def _batched(args, dims):
 
 
 _DTYPES = (jnp.int32, jnp.int32, jnp.float32, jnp.int32)
-_skip_limit_p = _jax_core.Primitive("jaxamp_skip_limit")
+_skip_limit_p = Primitive("jaxamp_skip_limit")
 _skip_limit_p.multiple_results = True
-_skip_limit_p.def_effectful_abstract_eval(lambda *_: ([], {_debugging.debug_effect}))
+_skip_limit_p.def_effectful_abstract_eval(lambda *_: ([], {debug_effect}))
 _skip_limit_p.def_impl(_staged)
 mlir.register_lowering(_skip_limit_p, mlir.lower_fun(_staged, multiple_results=True))
 batching.primitive_batchers[_skip_limit_p] = _batched

@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from jaxamp._scaling import multiply_by_scale
-from jaxamp._state_access import field_array, find_loss_scale_state, get_loss_scale
-from jaxamp._train_step import apply_scaled_updates
+from jaxamp._frontends.fused import apply_scaled_updates
+from jaxamp._frontends.state_access import field_array, find_loss_scale_state, get_loss_scale
+from jaxamp._torch.scaling import multiply_by_scale
 
 _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
 

@@ -119,7 +119,7 @@ def _inner(scenario, pair: Pair) -> tuple[Any, Any]:
   inner = make_optax(scenario.optimizers, pair)
   if scenario.clip is not None:
     # torch.nn.utils.clip_grad_norm_ after unscale_: clipping sees unscaled grads.
-    clip = jaxamp.clip_by_torch_norm if scenario.clip_torch else optax.clip_by_global_norm
+    clip = jaxamp.ops.clip_by_torch_norm if scenario.clip_torch else optax.clip_by_global_norm
     inner = optax.chain(clip(scenario.clip), inner)
   return inner, None
 
@@ -202,10 +202,10 @@ class OptaxDriver:
 
     self._scaled_grads = jax.jit(scaled_grads)
     self._apply = jax.jit(apply)
-    self._unscale = jax.jit(jaxamp.unscale_and_check)
+    self._unscale = jax.jit(jaxamp.ops.unscale_and_check)
 
   def _scale_state(self) -> jaxamp.DynamicLossScaleState:
-    return jaxamp.find_loss_scale_state(self.opt_state)
+    return jaxamp.ops.find_loss_scale_state(self.opt_state)
 
   def step(self, step: int) -> dict[str, Any]:
     sc = self.scenario
@@ -249,7 +249,7 @@ class OptaxDriver:
     }
 
   def unscale_torch_grads(self, scaled: dict, scale: np.float32):
-    """``jaxamp.unscale_and_check`` on torch's scaled gradients."""
+    """``jaxamp.ops.unscale_and_check`` on torch's scaled gradients."""
     present = {n: v for n, v in scaled.items() if v is not None}
     grads = {n: jnp.asarray(v) for n, v in present.items()}
     unscaled, found = self._unscale(grads, jnp.asarray(scale, jnp.float32))

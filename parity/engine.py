@@ -7,7 +7,7 @@ step (torch: ``unscale_`` / clipping / ``step`` / ``update``; jaxamp: one
 
 * the scale used and the scale after, float32 bit for bit; the growth tracker
   exactly; each optimizer's skip decision exactly;
-* ``jaxamp.unscale_and_check`` on *torch's* scaled gradients against torch's
+* ``jaxamp.ops.unscale_and_check`` on *torch's* scaled gradients against torch's
   unscaled ``.grad``, bit for bit, and its found-inf flag against torch's;
 * parameters and optimizer states within the scenario's relative tolerance
   (``max |jax - torch| / max |torch|`` per tensor; inf/NaN positions must match

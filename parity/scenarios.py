@@ -45,7 +45,7 @@ class Scenario:
     clip: ``clip_grad_norm_`` max norm after ``unscale_`` (jaxamp side:
       ``optax.clip_by_global_norm``, or torch's formula with ``clip_torch``).
     clip_torch: clip with torch's formula on the jaxamp side too:
-      ``jaxamp.clip_by_torch_norm`` inside the wrapper, ``jaxamp.clip_grad_norm``
+      ``jaxamp.ops.clip_by_torch_norm`` inside the wrapper, ``jaxamp.clip_grad_norm``
       on the optimizers' grads after ``unscale_``.
     explicit_unscale: call ``unscale_`` before ``step`` even without clipping.
     late_inject: as ``inject``, but written after ``unscale_`` (not re-checked).
@@ -425,7 +425,7 @@ SCENARIOS: list[Scenario] = [
   Scenario(
     "vector_clip_torch_formula",
     "unscale_ then clip_grad_norm_(1e-3) with torch's formula on both sides: "
-    "jaxamp.clip_by_torch_norm inside the wrapper, jaxamp.clip_grad_norm on the "
+    "jaxamp.ops.clip_by_torch_norm inside the wrapper, jaxamp.clip_grad_norm on the "
     "optimizers' grads after GradScaler.unscale_ (max_norm / (norm + 1e-6), clamped at "
     "1); momentum SGD, inf at steps 3 and 7. The gradients are small (w ~ N(0, 1e-3), "
     "norm ~4e-3), so optax.clip_by_global_norm's max_norm / norm is 2.5e-4 off "

@@ -143,7 +143,7 @@ def nnx_variant():
       train_step(self.model, self.optimizer, x, y, inject)
 
     def loss_scale_state(self):
-      return jaxamp.find_loss_scale_state(self.optimizer)
+      return jaxamp.ops.find_loss_scale_state(self.optimizer)
 
     def tree(self):
       return {"model": nnx.state(self.model), "optimizer": nnx.state(self.optimizer)}
@@ -202,7 +202,7 @@ def linen_variant():
       self.state, _ = train_step(self.state, x, y, inject)
 
     def loss_scale_state(self):
-      return jaxamp.find_loss_scale_state(self.state)
+      return jaxamp.ops.find_loss_scale_state(self.state)
 
     def tree(self):
       return self.state

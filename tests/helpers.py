@@ -115,7 +115,7 @@ def _run_optax(options, steps, params, inner, jit):
   out = []
   for g in _gradient_steps(steps, params):
     updates, params, state = step(g, state, params)
-    s = jaxamp.find_loss_scale_state(state)
+    s = jaxamp.ops.find_loss_scale_state(state)
     out.append(
       Step(
         loss_scale=s.loss_scale,
@@ -126,7 +126,7 @@ def _run_optax(options, steps, params, inner, jit):
         consecutive_skipped=s.consecutive_skipped_steps,
         update_count=s.update_count,
         params=params,
-        nonfinite_leaf_paths=jaxamp.nonfinite_leaf_paths(state, params),
+        nonfinite_leaf_paths=jaxamp.ops.nonfinite_leaf_paths(state, params),
         updates=updates,
       )
     )

@@ -291,7 +291,7 @@ def test_load_state_dict_keeps_other_fields_and_structure():
   _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
   loaded = jaxamp.load_state_dict(state, GOOD)
   assert jax.tree.structure(loaded) == jax.tree.structure(state)
-  old, new = jaxamp.find_loss_scale_state(state), jaxamp.find_loss_scale_state(loaded)
+  old, new = jaxamp.ops.find_loss_scale_state(state), jaxamp.ops.find_loss_scale_state(loaded)
   assert float(new.loss_scale) == 2.0 and int(new.growth_tracker) == 3
   assert new.loss_scale.dtype == jnp.float32 and new.growth_tracker.dtype == jnp.int32
   assert int(new.skipped_steps) == int(old.skipped_steps) == 1
@@ -312,8 +312,8 @@ def test_load_state_dict_keeps_nnx_variables():
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   loaded = jaxamp.load_state_dict(optimizer.opt_state, GOOD)
   assert jax.tree.structure(loaded) == jax.tree.structure(optimizer.opt_state)
-  field = jaxamp.find_loss_scale_state(loaded).loss_scale
-  assert type(field) is type(jaxamp.find_loss_scale_state(optimizer.opt_state).loss_scale)
+  field = jaxamp.ops.find_loss_scale_state(loaded).loss_scale
+  assert type(field) is type(jaxamp.ops.find_loss_scale_state(optimizer.opt_state).loss_scale)
   assert isinstance(field, nnx.Variable)
   optimizer.opt_state = loaded
   assert jaxamp.state_dict(optimizer, growth_interval=10) == GOOD
@@ -372,7 +372,7 @@ def test_orbax_checkpoint_of_nnx_optimizer_resumes_bit_identically(tmp_path):
   saved = jaxamp.state_dict(optimizer2, growth_interval=2)
   # 1024 (tracker 1); inf: 512; 512 (tracker 1); grown: 1024 (tracker 0).
   assert saved["scale"] == 1024.0 and saved["_growth_tracker"] == 0
-  assert isinstance(jaxamp.find_loss_scale_state(optimizer2).loss_scale, nnx.Variable)
+  assert isinstance(jaxamp.ops.find_loss_scale_state(optimizer2).loss_scale, nnx.Variable)
   for (x, y), inject in zip(batches[4:], injections[4:]):
     _nnx_step(model2, optimizer2, x, y, inject)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxamp._exact import multiply_by_f64_words, multiply_exact
+from jaxamp._torch.exact import multiply_by_f64_words, multiply_exact
 
 
 def _f64_words(factors):
@@ -165,7 +165,7 @@ def test_multiply_exact_in_x64_mode_with_float64_factor():
 
 
 def test_multiply_exact_either_selects_the_factor_before_multiplying():
-  from jaxamp._exact import multiply_exact_either
+  from jaxamp._torch.exact import multiply_exact_either
 
   rng = np.random.default_rng(11)
   scales = rng.uniform(1e-30, 1e30, 500).astype(np.float32)
@@ -185,7 +185,7 @@ def test_power_of_two_factors_match_float64_reference_on_every_kind_of_scale():
   # torch's default factors, 2.0 and 0.5, take the short path: every float32
   # class (subnormal, normal, near overflow, zero, inf, NaN, both signs) and
   # exponents that overflow, underflow and round to a subnormal.
-  from jaxamp._exact import _power_of_two_exponent, multiply_exact_either
+  from jaxamp._torch.exact import _power_of_two_exponent, multiply_exact_either
 
   rng = np.random.default_rng(20261201)
   edges = np.array(
@@ -209,14 +209,14 @@ def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
   # XLA CPU runs with denormals-are-zero, and LLVM rewrites the integer test
   # `bits & 0x7FFFFFFF != 0` of a bitcast float as `x != 0.0` where the select
   # that consumes it also returns x: then a subnormal x reads as zero.
-  from jaxamp._exact import float_bits
-  from jaxamp._unscale import inverse_scale
+  from jaxamp._torch.exact import float_bits
+  from jaxamp._torch.unscale import inverse_scale
 
   subnormal = jnp.float32(2.0**-149)
   nonzero = jax.jit(lambda x, y: jnp.where((float_bits(x) & 0x7FFFFFFF) != 0, y, x))
   assert float(nonzero(subnormal, jnp.float32(3.0))) == 3.0
   # update_loss_scale's found_inf test, in the shape that read a subnormal as zero before
-  from jaxamp._scale_update import _is_nonzero
+  from jaxamp._torch.scale_rule import _is_nonzero
 
   found = jax.jit(lambda f: jnp.where(_is_nonzero(f), jnp.float32(5.0), f))(subnormal)
   assert float(found) == 5.0

@@ -83,7 +83,7 @@ def test_dynamic_loss_scale_scales_trackers_and_unscaled_grads_match_torch_fixtu
       assert _f32_hex(state.loss_scale) == it["scale_after_hex"], f"iter {it['i']}"
       assert int(state.growth_tracker) == it["growth_tracker_after"], f"iter {it['i']}"
       # The building block gives torch's unscaled grads on skipped steps too.
-      unscaled, found_inf = jaxamp.unscale_and_check(grads, jnp.float32(it["scale_used"]))
+      unscaled, found_inf = jaxamp.ops.unscale_and_check(grads, jnp.float32(it["scale_used"]))
       want = np.asarray(jnp.asarray(it["unscaled_grad"], dtype))
       assert np.asarray(unscaled).tobytes() == want.tobytes(), f"iter {it['i']}"
       assert bool(found_inf) == skipped

@@ -264,7 +264,7 @@ def _poisoned(grads, poison):
 def _assert_same_update(ours, flax_own, skipped, before):
   """Scale state and counters bitwise; params/moments to XLA's fusion noise."""
   ours_scale, theirs_scale = (
-    jaxamp.find_loss_scale_state(x)._replace(inner_state=None) for x in (ours[1], flax_own[1])
+    jaxamp.ops.find_loss_scale_state(x)._replace(inner_state=None) for x in (ours[1], flax_own[1])
   )
   assert bits(ours_scale) == bits(theirs_scale)
   if skipped:  # the params and Adam's moments are left exactly as they were

@@ -305,7 +305,7 @@ def test_grad_scaler_matches_dynamic_loss_scale(inner):
     assert bits(scaler.loss_scale) == bits(scale)
     opt.grads = grads
     scaler.unscale_(opt)
-    expected_unscaled, found_inf = jaxamp.unscale_and_check(grads, scale)
+    expected_unscaled, found_inf = jaxamp.ops.unscale_and_check(grads, scale)
     assert bits(opt.grads) == bits(expected_unscaled)
     assert bool(scaler._states[opt._key].found_inf) == bool(found_inf) == bool(state.found_inf)
     scaler.step(opt)

@@ -1011,76 +1011,76 @@ _S, _T, _F = jnp.float32(4.0), jnp.int32(1), jnp.bool_(False)
 _BLOCKS = [
   (
     "unscale_and_check-int",
-    _block(jaxamp.unscale_and_check, {"w": jnp.ones(2, jnp.int32)}, _S),
+    _block(jaxamp.ops.unscale_and_check, {"w": jnp.ones(2, jnp.int32)}, _S),
     TypeError,
     r"gradient leaf \['w'\] has dtype int32",
   ),
   (
     "unscale_and_check-scale-str",
-    _block(jaxamp.unscale_and_check, {"w": jnp.ones(2)}, "2.0"),
+    _block(jaxamp.ops.unscale_and_check, {"w": jnp.ones(2)}, "2.0"),
     TypeError,
     r"jaxamp: .*loss_scale",
   ),
   (
     "unscale_and_check-scale-vector",
-    _block(jaxamp.unscale_and_check, {"w": jnp.ones(2)}, jnp.ones(2)),
+    _block(jaxamp.ops.unscale_and_check, {"w": jnp.ones(2)}, jnp.ones(2)),
     ValueError,
     r"jaxamp: .*loss_scale.*scalar",
   ),
   (
     "inverse_scale-vector",
-    _block(jaxamp.inverse_scale, jnp.ones(2)),
+    _block(jaxamp.ops.inverse_scale, jnp.ones(2)),
     ValueError,
     r"jaxamp: .*scalar",
   ),
-  ("all_finite-str-leaf", _block(jaxamp.all_finite, {"w": "x"}), TypeError, r"jaxamp: .*\['w'\]"),
+  ("all_finite-str-leaf", _block(jaxamp.ops.all_finite, {"w": "x"}), TypeError, r"jaxamp: .*\['w'\]"),
   (
     "update_loss_scale-growth_interval-2.5",
-    _block(functools.partial(jaxamp.update_loss_scale, growth_interval=2.5), _S, _T, _F),
+    _block(functools.partial(jaxamp.ops.update_loss_scale, growth_interval=2.5), _S, _T, _F),
     TypeError,
     r"jaxamp: growth_interval must be an int, got float 2.5",
   ),
   (
     "update_loss_scale-growth_interval-2**32+3",
     _block(
-      functools.partial(jaxamp.update_loss_scale, growth_interval=np.array(2**32 + 3)), _S, _T, _F
+      functools.partial(jaxamp.ops.update_loss_scale, growth_interval=np.array(2**32 + 3)), _S, _T, _F
     ),
     ValueError,
     r"growth_interval=4294967299 does not fit",
   ),
   (
     "update_loss_scale-growth_interval-float-array",
-    _block(functools.partial(jaxamp.update_loss_scale, growth_interval=jnp.float32(3)), _S, _T, _F),
+    _block(functools.partial(jaxamp.ops.update_loss_scale, growth_interval=jnp.float32(3)), _S, _T, _F),
     TypeError,
     r"growth_interval must be an int",
   ),
   (
     "update_loss_scale-growth_factor-str",
-    _block(functools.partial(jaxamp.update_loss_scale, growth_factor="2"), _S, _T, _F),
+    _block(functools.partial(jaxamp.ops.update_loss_scale, growth_factor="2"), _S, _T, _F),
     TypeError,
     r"growth_factor must be a real",
   ),
   (
     "update_loss_scale-backoff_factor-vector",
-    _block(functools.partial(jaxamp.update_loss_scale, backoff_factor=jnp.ones(2)), _S, _T, _F),
+    _block(functools.partial(jaxamp.ops.update_loss_scale, backoff_factor=jnp.ones(2)), _S, _T, _F),
     ValueError,
     r"backoff_factor must be a scalar",
   ),
   (
     "update_loss_scale-tracker-float",
-    _block(jaxamp.update_loss_scale, _S, 1.5, _F),
+    _block(jaxamp.ops.update_loss_scale, _S, 1.5, _F),
     TypeError,
     r"growth_tracker must be an int32 scalar",
   ),
   (
     "update_loss_scale-scale-vector",
-    _block(jaxamp.update_loss_scale, jnp.ones(2), _T, _F),
+    _block(jaxamp.ops.update_loss_scale, jnp.ones(2), _T, _F),
     ValueError,
     r"loss_scale must be a float32 scalar",
   ),
   (
     "update_loss_scale-found_inf-vector",
-    _block(jaxamp.update_loss_scale, _S, _T, jnp.array([True, False])),
+    _block(jaxamp.ops.update_loss_scale, _S, _T, jnp.array([True, False])),
     ValueError,
     r"found_inf must be a bool scalar.*jnp.any",
   ),
@@ -1092,7 +1092,7 @@ _BLOCKS = [
   ),
   (
     "find_loss_scale_state-orbax-dict",
-    _on_state(jaxamp.find_loss_scale_state, _plain_dict_state),
+    _on_state(jaxamp.ops.find_loss_scale_state, _plain_dict_state),
     ValueError,
     r"found no DynamicLossScaleState",
   ),
@@ -1110,7 +1110,7 @@ _BLOCKS = [
   ),
   (
     "nonfinite_leaf_paths-other-params",
-    _on_state(lambda s: jaxamp.nonfinite_leaf_paths(s, {"w": jnp.ones(2)})),
+    _on_state(lambda s: jaxamp.ops.nonfinite_leaf_paths(s, {"w": jnp.ones(2)})),
     ValueError,
     r"params has 1 leaves but the jaxamp state tracks 2",
   ),

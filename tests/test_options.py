@@ -255,11 +255,11 @@ def test_options_reject_a_bool_min_loss_scale(front_end):
 def test_dynamic_loss_scale_nonfinite_leaf_paths_empty_before_a_skip_and_checks_params():
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   state = tx.init(PARAMS)
-  assert jaxamp.nonfinite_leaf_paths(state, PARAMS) == []
+  assert jaxamp.ops.nonfinite_leaf_paths(state, PARAMS) == []
   _, state = jax.jit(tx.update)(make_grads(CLEAN, poison=HEAD_INF), state, PARAMS)
-  assert jaxamp.nonfinite_leaf_paths(state, PARAMS) == ["['head']"]
+  assert jaxamp.ops.nonfinite_leaf_paths(state, PARAMS) == ["['head']"]
   with pytest.raises(ValueError, match="params has 1 leaves but the jaxamp state tracks 3"):
-    jaxamp.nonfinite_leaf_paths(state, {"w": jnp.ones(2)})
+    jaxamp.ops.nonfinite_leaf_paths(state, {"w": jnp.ones(2)})
 
 
 def test_dynamic_loss_scale_options_inside_inject_hyperparams():

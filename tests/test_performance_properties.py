@@ -169,7 +169,7 @@ def test_each_step_traces_the_optimizer_once(form):
 
 
 def test_skipped_step_types_come_from_eval_shape_when_nothing_was_recorded():
-  from jaxamp._transform import OutputTypes
+  from jaxamp._frontends.transform import OutputTypes
 
   def step(x):
     return x.astype(jnp.bfloat16), {"count": jnp.int32(0)}
@@ -361,7 +361,7 @@ def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
 
 
 def test_row_major_changes_no_value_and_keeps_the_tree():
-  from jaxamp._layout import row_major
+  from jaxamp._xla.layout import row_major
 
   grads = {"w": jnp.arange(12.0).reshape(3, 4).T, "b": jnp.arange(3.0), "none": None, "s": 2.0}
   assert row_major(grads) is grads  # outside a trace: as it is

@@ -3,14 +3,25 @@
 import subprocess
 import sys
 
+import pytest
+
 import jaxamp
 
 
-def test_public_api_names_import_and_are_documented():
-  assert list(jaxamp.__all__) == sorted(jaxamp.__all__)
-  for name in jaxamp.__all__:
-    obj = getattr(jaxamp, name)
-    assert obj.__doc__ and obj.__doc__.strip(), f"jaxamp.{name} has no docstring"
+@pytest.mark.parametrize("module", [jaxamp, jaxamp.ops], ids=lambda m: m.__name__)
+def test_public_api_names_import_and_are_documented(module):
+  assert list(module.__all__) == sorted(module.__all__)
+  for name in module.__all__:
+    obj = getattr(module, name)
+    assert obj.__doc__ and obj.__doc__.strip(), f"{module.__name__}.{name} has no docstring"
+
+
+def test_public_api_top_level_is_what_a_training_loop_uses():
+  # The tiers: a dozen names at the top, the primitives only in jaxamp.ops.
+  assert len(jaxamp.__all__) <= 15
+  assert not set(jaxamp.__all__) & set(jaxamp.ops.__all__)
+  for name in jaxamp.ops.__all__:
+    assert not hasattr(jaxamp, name), f"jaxamp.{name} should only be jaxamp.ops.{name}"
 
 
 def test_public_api_core_imports_without_flax_or_torch():

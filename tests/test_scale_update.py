@@ -55,7 +55,7 @@ def test_update_loss_scale_matches_torch_kernel_probes(row):
 
   @jax.jit
   def update(scale, tracker, found):
-    return jaxamp.update_loss_scale(
+    return jaxamp.ops.update_loss_scale(
       scale,
       tracker,
       found,
@@ -76,7 +76,7 @@ def test_update_loss_scale_matches_torch_kernel_probes(row):
 def _trajectory(init, growth, backoff, interval, flags):
   scale, tracker = jnp.float32(init), jnp.int32(0)
   update = jax.jit(
-    lambda s, t, f: jaxamp.update_loss_scale(
+    lambda s, t, f: jaxamp.ops.update_loss_scale(
       s, t, f, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
     )
   )
@@ -171,7 +171,7 @@ def test_update_loss_scale_traced_hyperparameters_match_static():
 
   def run(growth, backoff, interval):
     def body(carry, flag):
-      s, t = jaxamp.update_loss_scale(
+      s, t = jaxamp.ops.update_loss_scale(
         *carry,
         flag,
         growth_factor=growth,

@@ -311,12 +311,12 @@ def test_grad_scaler_soak_5k_steps_matches_torch_rule_every_step():
 
 @pytest.mark.parametrize("scale", [3e-45, 1e-40, 1.1754942e-38, 2.2e38, 3.4e38])
 def test_reference_rounding_at_the_edges_agrees_with_jaxamp_update(scale):
-  """The reference's f32(f64(x) * factor) and jaxamp.update_loss_scale, one step
+  """The reference's f32(f64(x) * factor) and jaxamp.ops.update_loss_scale, one step
   from the float32 edges (subnormals, the largest values)."""
   s = _f32(scale)
   update = jax.jit(
     functools.partial(
-      jaxamp.update_loss_scale, growth_factor=1.5, backoff_factor=0.3, growth_interval=4
+      jaxamp.ops.update_loss_scale, growth_factor=1.5, backoff_factor=0.3, growth_interval=4
     )
   )
   for found, tracker in [(True, 0), (False, 3)]:

@@ -1167,7 +1167,7 @@ def _torch_update_scale_trajectory():
 def test_update_loss_scale_kernel_matches_torch(jit):
   want = _torch_update_scale_trajectory()
   update = functools.partial(
-    jaxamp.update_loss_scale, growth_factor=2.0, backoff_factor=0.25, growth_interval=2
+    jaxamp.ops.update_loss_scale, growth_factor=2.0, backoff_factor=0.25, growth_interval=2
   )
   update = jax.jit(update) if jit else update
   scale, tracker = jnp.float32(4.0), jnp.int32(0)
@@ -1222,7 +1222,7 @@ def test_dynamic_loss_scale_update_scale_matches_torch(fast, jit):
   got = []
   for flag in (False, False, True):
     params, opt_state = step(_update_scale_grads(flag), opt_state, params)
-    state = jaxamp.find_loss_scale_state(opt_state)
+    state = jaxamp.ops.find_loss_scale_state(opt_state)
     got.append((float(state.loss_scale), int(state.growth_tracker)))
   assert got == want
 
@@ -1262,7 +1262,7 @@ def _np(t):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_unscale_and_check_matches_torch(jit):
   inv_scale = torch.full((1,), 0.25, dtype=torch.float)
-  unscale_and_check = jax.jit(jaxamp.unscale_and_check) if jit else jaxamp.unscale_and_check
+  unscale_and_check = jax.jit(jaxamp.ops.unscale_and_check) if jit else jaxamp.ops.unscale_and_check
   for grads, has_inf in _unscale_cases():
     inputs = [jnp.asarray(_np(t)) for t in grads]
     found_inf = torch.full((1,), 0.0, dtype=torch.float)
@@ -1398,6 +1398,6 @@ def test_dynamic_loss_scale_will_not_overflow_matches_torch(fast, jit):
   params, opt_state = step(init, opt_state, x, y)
   scale = float(jaxamp.get_loss_scale(opt_state))
   assert math.isfinite(scale)
-  skipped = bool(jaxamp.find_loss_scale_state(opt_state).skipped_steps)
+  skipped = bool(jaxamp.ops.find_loss_scale_state(opt_state).skipped_steps)
   run = _Run([scale], [skipped], _linear_leaves(params))
   _assert_matches_torch(run, ref._replace(grads=None), f"optax will_not_overflow ({fast=})")

@@ -71,7 +71,7 @@ def test_dynamic_loss_scale_schedule_counts_iterations_matches_torch_lambda_lr(j
   )
   for i, c in enumerate(COEFFICIENTS):
     params, state = step(tx, _grads(c, jaxamp.get_loss_scale(state)), state, params)
-    scale_state = jaxamp.find_loss_scale_state(state)
+    scale_state = jaxamp.ops.find_loss_scale_state(state)
     assert float(scale_state.loss_scale) == t_scales[i], i
     if not bool(scale_state.found_inf):  # the lr actually applied, read from the state
       applied = float(scale_state.inner_state.hyperparams["learning_rate"])

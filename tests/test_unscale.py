@@ -34,7 +34,7 @@ TORCH_5_8 = [
 @pytest.mark.parametrize("scale,dtype,expected", TORCH_5_8)
 def test_unscale_and_check_matches_torch_unscale(scale, dtype, expected):
   grads = {"g": jnp.asarray(GRADS, dtype)}
-  unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(scale))
+  unscaled, found_inf = jax.jit(jaxamp.ops.unscale_and_check)(grads, jnp.float32(scale))
   assert unscaled["g"].dtype == dtype
   want = np.asarray(jnp.asarray(expected, dtype))
   assert np.asarray(unscaled["g"]).tobytes() == want.tobytes()
@@ -44,7 +44,7 @@ def test_unscale_and_check_matches_torch_unscale(scale, dtype, expected):
 def test_unscale_and_check_float64_matches_torch():
   with jax.enable_x64(True):
     grads = jnp.asarray(GRADS, jnp.float64)
-    unscaled, _ = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(3.0))
+    unscaled, _ = jax.jit(jaxamp.ops.unscale_and_check)(grads, jnp.float32(3.0))
     expected = [0.3333333432674408, 3.333333432674408, 33.33333432674408, 4115.000122636557]
     assert unscaled.dtype == jnp.float64
     assert np.asarray(unscaled).tobytes() == np.asarray(expected, np.float64).tobytes()
@@ -53,7 +53,7 @@ def test_unscale_and_check_float64_matches_torch():
 def test_unscale_and_check_multiplies_by_reciprocal_not_divides():
   # docs/torch_semantics.md §3.2: with scale 3, about a third of float32 grads differ from g / 3.
   grads = np.random.default_rng(0).normal(0, 300, 100_000).astype(np.float32)
-  unscaled, _ = jaxamp.unscale_and_check(jnp.asarray(grads), jnp.float32(3.0))
+  unscaled, _ = jaxamp.ops.unscale_and_check(jnp.asarray(grads), jnp.float32(3.0))
   inv = np.float32(1.0 / np.float64(np.float32(3.0)))
   assert np.asarray(unscaled).tobytes() == (grads * inv).tobytes()
   assert np.sum(np.asarray(unscaled) != grads / np.float32(3.0)) > 20_000
@@ -69,7 +69,7 @@ def test_unscale_and_check_detects_any_non_finite(dtype, bad, position, size):
   grads[index] = bad
   clean = {"a": jnp.ones((3, 4), dtype), "b": None}
   tree = dict(clean, c=jnp.asarray(grads, dtype))
-  check = jax.jit(jaxamp.unscale_and_check)
+  check = jax.jit(jaxamp.ops.unscale_and_check)
   assert bool(check(tree, jnp.float32(4.0))[1])
   assert not bool(check(clean, jnp.float32(4.0))[1])
 
@@ -77,13 +77,13 @@ def test_unscale_and_check_detects_any_non_finite(dtype, bad, position, size):
 def test_unscale_and_check_detects_on_scaled_input_not_on_product():
   # docs/torch_semantics.md §3.2: bf16 3e38 at scale 0.5 becomes inf after unscaling, unnoticed.
   grads = jnp.asarray([3e38], jnp.bfloat16)
-  unscaled, found_inf = jax.jit(jaxamp.unscale_and_check)(grads, jnp.float32(0.5))
+  unscaled, found_inf = jax.jit(jaxamp.ops.unscale_and_check)(grads, jnp.float32(0.5))
   assert np.isinf(np.asarray(unscaled, np.float32)[0]) and not bool(found_inf)
 
 
 def test_unscale_and_check_unscales_even_when_not_finite():
   # Scenario 25: grads [8, 16, inf] at scale 4 -> [2, 4, inf].
-  unscaled, found_inf = jaxamp.unscale_and_check(jnp.array([8.0, 16.0, np.inf]), jnp.float32(4))
+  unscaled, found_inf = jaxamp.ops.unscale_and_check(jnp.array([8.0, 16.0, np.inf]), jnp.float32(4))
   assert unscaled.tolist() == [2.0, 4.0, np.inf] and bool(found_inf)
 
 
@@ -91,15 +91,15 @@ def test_unscale_and_check_inverse_one_passes_values_through():
   # inv == 1: torch leaves the values untouched: -0.0 and a subnormal keep their
   # bits (XLA would flush a subnormal times 1.0 to zero).
   grads = np.array([-0.0, 1e-40, 3.0, np.nan], np.float32)
-  unscaled, _ = jax.jit(jaxamp.unscale_and_check)(jnp.asarray(grads), jnp.float32(1.0))
+  unscaled, _ = jax.jit(jaxamp.ops.unscale_and_check)(jnp.asarray(grads), jnp.float32(1.0))
   assert np.asarray(unscaled).tobytes() == grads.tobytes()
 
 
 def test_unscale_and_check_none_leaves_and_empty_trees():
-  unscaled, found_inf = jaxamp.unscale_and_check({"a": None, "b": [jnp.ones(2) * 4]}, 2.0)
+  unscaled, found_inf = jaxamp.ops.unscale_and_check({"a": None, "b": [jnp.ones(2) * 4]}, 2.0)
   assert unscaled["a"] is None and unscaled["b"][0].tolist() == [2.0, 2.0]
   assert not bool(found_inf)
-  assert jaxamp.unscale_and_check({}, 2.0)[0] == {}
+  assert jaxamp.ops.unscale_and_check({}, 2.0)[0] == {}
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_unscale_and_check_none_leaves_and_empty_trees():
 )
 def test_unscale_and_check_rejects_non_float_leaves(leaf, kind):
   with pytest.raises(TypeError, match=rf"gradient leaf \['w'\]\[1\] has {kind}"):
-    jaxamp.unscale_and_check({"w": [jnp.ones(2), leaf]}, 2.0)
+    jaxamp.ops.unscale_and_check({"w": [jnp.ones(2), leaf]}, 2.0)
 
 
 def test_inverse_scale_matches_float64_reciprocal():
@@ -125,7 +125,7 @@ def test_inverse_scale_matches_float64_reciprocal():
     ]
   )
   expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
-  actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
+  actual = np.asarray(jax.jit(jax.vmap(jaxamp.ops.inverse_scale))(scales))
   assert actual.tobytes() == expected.tobytes()
 
 
@@ -134,7 +134,7 @@ def test_inverse_scale_of_subnormal_scale_matches_torch():
   scales = np.float32([2.0**-127, 1e-39, 2.0**-149, 4e-39, -(2.0**-127)])
   with np.errstate(all="ignore"):
     expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
-  actual = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(scales))
+  actual = np.asarray(jax.jit(jax.vmap(jaxamp.ops.inverse_scale))(scales))
   assert actual.tobytes() == expected.tobytes()
   assert actual[0] == np.float32(1.7014118346046923e38) and np.isinf(actual[1])
 
@@ -146,10 +146,10 @@ def test_inverse_scale_above_2_126_is_torchs_subnormal_reciprocal():
   bits = rng.integers(253 << 23, 255 << 23, size=100_000, dtype=np.int64).astype(np.int32)
   bits[:3] = [np.float32(2.0**126).view(np.int32), np.float32(2.0**127).view(np.int32), 0x7F7FFFFF]
   scales = bits.view(np.float32)
-  ours = np.asarray(jax.jit(jax.vmap(jaxamp.inverse_scale))(jnp.asarray(scales)))
+  ours = np.asarray(jax.jit(jax.vmap(jaxamp.ops.inverse_scale))(jnp.asarray(scales)))
   expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
   assert ours.tobytes() == expected.tobytes()
-  assert float(jaxamp.inverse_scale(jnp.float32(2.0**127))) == 2.0**-127
+  assert float(jaxamp.ops.inverse_scale(jnp.float32(2.0**127))) == 2.0**-127
 
 
 @pytest.mark.torch
@@ -170,7 +170,7 @@ def test_unscale_at_scales_above_2_126_matches_torch(scale, dtype):
   inv = torch.full((1,), 1.0 / float(scale32), dtype=torch.float32)
   torch._amp_foreach_non_finite_check_and_unscale_([t_grads], found, inv)
   expected = t_grads.float().numpy()
-  ours = jaxamp.unscale_and_check(jnp.asarray(grads, getattr(jnp, dtype)), jnp.float32(scale32))[0]
+  ours = jaxamp.ops.unscale_and_check(jnp.asarray(grads, getattr(jnp, dtype)), jnp.float32(scale32))[0]
   ours = np.asarray(ours.astype(jnp.float32))
   # Where torch's float32 product g * inv is subnormal, XLA flushes it to zero:
   # the one remaining divergence. A bfloat16 result of exactly 2**-126 may be
@@ -187,7 +187,7 @@ def test_unscale_at_scales_above_2_126_matches_torch(scale, dtype):
 def test_leaf_finite_flags_of_many_same_shape_leaves(dtype, jit):
   # Same-size leaves are checked together (one variadic reduction per 8):
   # every leaf's flag must still be its own, wherever the inf/NaN sits.
-  from jaxamp._unscale import leaf_finite_flags
+  from jaxamp._torch.unscale import leaf_finite_flags
 
   rng = np.random.default_rng(0)
   shapes = [(3, 5)] * 12 + [(5, 3), (15,)] * 3 + [(1, 15)] + [(7,)] * 3 + [()] * 9
@@ -209,7 +209,7 @@ def test_leaf_finite_flags_of_leaves_alone_wherever_the_inf_sits(dtype, jit):
   # A leaf whose size no other leaf has is checked as two halves (plus the
   # last element of an odd size): an inf/NaN in either half or at the odd end
   # must clear its flag, and only its own.
-  from jaxamp._unscale import leaf_finite_flags
+  from jaxamp._torch.unscale import leaf_finite_flags
 
   check = jax.jit(leaf_finite_flags) if jit else leaf_finite_flags
   sizes = [1, 2, 3, 8, 9, 1001, 4096]
@@ -229,7 +229,7 @@ def test_leaf_finite_flags_outside_jit_compiles_once(backend_compiles):
   # The variadic reductions are built from one cached function per arity, so
   # a second eager call with the same shapes compiles nothing (a new lambda
   # per call made every GradScaler.unscale_ recompile them).
-  from jaxamp._unscale import leaf_finite_flags
+  from jaxamp._torch.unscale import leaf_finite_flags
 
   tree = [
     jnp.ones((33, 5)),
@@ -322,7 +322,7 @@ def test_applied_step_optimizes_the_half_grads_as_rounded(inner, dtype, front_en
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=3.0)
   step = _jitted_state_step(tx, front_end)
   ours = step(grads, tx.init(params), params).inner_state
-  unscaled, _ = jaxamp.unscale_and_check(grads, jnp.float32(3.0))
+  unscaled, _ = jaxamp.ops.unscale_and_check(grads, jnp.float32(3.0))
   unscaled = jax.tree.map(np.asarray, unscaled)  # materialised
   expected = jax.jit(inner.update)(unscaled, inner.init(params), params)[1]
   assert bits(ours) == bits(expected)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._scaling import multiply_by_scale
-from jaxamp._transform import DynamicLossScaleState
+from jaxamp._frontends.transform import DynamicLossScaleState
+from jaxamp._torch.scaling import multiply_by_scale
 
 # The optax wrappers that hold a transformation's state as their inner_state.
 INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -112,7 +112,7 @@ def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
     >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
     >>> grads = {"dense": {"w": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}}
     >>> _, state = tx.update(grads, tx.init(params), params)
-    >>> jaxamp.nonfinite_leaf_paths(state, params)
+    >>> jaxamp.ops.nonfinite_leaf_paths(state, params)
     ["['dense']['b']"]
   """
   flags = np.asarray(field_array(find_loss_scale_state(opt_state).nonfinite_leaves))

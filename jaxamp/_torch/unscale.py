@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._exact import float_bits
-from jaxamp._finite import leaf_finite_flags
-from jaxamp._platform import map_by_platform
+from jaxamp._torch.exact import float_bits
+from jaxamp._torch.finite import leaf_finite_flags
 from jaxamp._validation import check_float_gradients
 
 
@@ -101,32 +99,6 @@ def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
   return jnp.where(is_one, grad, product)  # torch's inv == 1 shortcut
 
 
-_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def runtime_zero(loss_scale: jax.Array) -> jax.Array:
-  """An int32 zero that XLA cannot prove is zero, for :func:`rounded`.
-
-  It is ``isnan(loss_scale)``: one only for a NaN scale, whose unscaled
-  gradients are all NaN anyway. It varies over no more ``shard_map`` axes than
-  the scale.
-  """
-  return jnp.isnan(jnp.asarray(loss_scale)).astype(jnp.int32)
-
-
-def rounded(x: Any, zero: jax.Array) -> Any:
-  """``x`` unchanged, as a value XLA and LLVM cannot contract into an FMA.
-
-  ``zero`` is :func:`runtime_zero`: XOR-ing the bits with it keeps ``x``
-  rounded to its dtype, so a fused consumer computes what it would from ``x``
-  in memory. Costs no memory pass.
-  """
-  if x is None:
-    return None
-  bits = _BITS[x.dtype.itemsize]
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
-
-
 def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """Unscales ``grads`` and reports whether they held inf or NaN.
 
@@ -196,25 +168,6 @@ def unscale_finite_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
     return _unscale_leaf(g, parts)
 
   return jax.tree.map(leaf, grads)
-
-
-def _is_half(g: jax.Array) -> bool:
-  return g.dtype in (jnp.float16, jnp.bfloat16)
-
-
-def rounded_unscaled(unscaled: Any, zero: jax.Array) -> Any:
-  """Each unscaled gradient :func:`rounded`, except float16 and bfloat16 ones on XLA CPU.
-
-  Those come out of a narrowing convert, which no XLA CPU pass removes, so
-  they are rounded already, and the guard's integer XOR costs a half-precision
-  step some 10% there (BENCHMARKS.md, "Session 10"). Elsewhere they keep it:
-  XLA GPU's ``simplify-fp-conversions`` may drop a convert pair when it allows
-  excess precision, which the guard prevents.
-  """
-  guarded = jax.tree.map(lambda g: g if _is_half(g) else rounded(g, zero), unscaled)
-  return map_by_platform(
-    guarded, _is_half, cpu=lambda g: g, default=functools.partial(rounded, zero=zero)
-  )
 
 
 def _check_loss_scale(loss_scale: Any) -> None:

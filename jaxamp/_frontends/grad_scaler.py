@@ -23,8 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._checkpoint import STATE_DICT_KEYS, check_state_dict
-from jaxamp._compile import call_compiled, traced
 from jaxamp._config import (
   LossScaleConfig,
   check_flag,
@@ -33,7 +31,10 @@ from jaxamp._config import (
   loss_scale_config,
   python_number,
 )
-from jaxamp._core import (
+from jaxamp._frontends.optimizer import Optimizer, per_param_leaf, updated
+from jaxamp._frontends.transform import OutputTypes, typed_like
+from jaxamp._torch.checkpoint import STATE_DICT_KEYS, check_state_dict
+from jaxamp._torch.core import (
   LossScaleCore,
   advance,
   check_skip_limit,
@@ -41,12 +42,11 @@ from jaxamp._core import (
   int32_array,
   scale_array,
 )
-from jaxamp._optimizer import Optimizer, per_param_leaf, updated
-from jaxamp._scaling import multiply_by_scale
-from jaxamp._schedules import advance_schedule_counts
-from jaxamp._transform import OutputTypes, typed_like
-from jaxamp._unscale import finite_leaves, unscale
+from jaxamp._torch.scaling import multiply_by_scale
+from jaxamp._torch.schedules import advance_schedule_counts
+from jaxamp._torch.unscale import finite_leaves, unscale
 from jaxamp._validation import check_float_gradients, check_no_none_gradients, check_same_structure
+from jaxamp._xla.compile_cache import call_compiled, traced
 
 # torch's messages (docs/torch_semantics.md §4), raised as RuntimeError where torch asserts.
 _NOT_SCALED = (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -10,20 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._accumulation import (
-  AccumulateGradients,
-  AccumulateGradientsState,
-  accumulated,
-  after_window,
-  window_ends,
-  within_window,
-)
-from jaxamp._compile import call_compiled, traced
-from jaxamp._core import check_skip_limit
-from jaxamp._groups import skipped_leaves
-from jaxamp._layout import row_major
-from jaxamp._state_access import INJECT_STATES, find_loss_scale_state
-from jaxamp._transform import (
+from jaxamp._frontends.state_access import INJECT_STATES, find_loss_scale_state
+from jaxamp._frontends.transform import (
   KNOWN_CHECK,
   DynamicLossScaleState,
   KnownCheck,
@@ -31,8 +18,21 @@ from jaxamp._transform import (
   check_gradients,
   core_of,
 )
-from jaxamp._unscale import inverse_parts, rounded, runtime_zero
+from jaxamp._torch.accumulation import (
+  AccumulateGradients,
+  AccumulateGradientsState,
+  accumulated,
+  after_window,
+  window_ends,
+  within_window,
+)
+from jaxamp._torch.core import check_skip_limit
+from jaxamp._torch.groups import skipped_leaves
+from jaxamp._torch.unscale import inverse_parts
 from jaxamp._validation import check_float_gradients, check_same_structure
+from jaxamp._xla.compile_cache import call_compiled, traced
+from jaxamp._xla.fma_guard import rounded_updates
+from jaxamp._xla.layout import row_major
 
 _IN_FRONT = (
   "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
@@ -206,15 +206,8 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
     return jax.tree.unflatten(treedef, kept), new_state
 
   def apply(params, opt_state):
-    # XLA CPU contracts a * b + c into an FMA inside a fusion, where tx.update
-    # then apply_updates rounds the materialised updates first. XOR-ing their
-    # bits with a runtime zero keeps that rounding, bit for bit, and costs no
-    # memory pass. (The transform rounds the unscaled grads with its own zero;
-    # this one is doubled so that XLA cannot cancel the two XORs of an
-    # identity optimizer, (b ^ z) ^ z = b.)
-    zero = runtime_zero(scale_state.loss_scale) * 2
     updates, new_state = update(params, opt_state, False)
-    updates = jax.tree.map(functools.partial(rounded, zero=zero), updates)
+    updates = rounded_updates(updates, scale_state.loss_scale)
     return optax.apply_updates(params, updates), new_state
 
   # params and opt_state are the branches' operands, so a donated buffer is

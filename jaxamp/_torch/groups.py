@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._schedules import advance_schedule_counts
+from jaxamp._torch.schedules import advance_schedule_counts
 
 
 class ParamLabels:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._config import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
-from jaxamp._exact import float_bits, multiply_exact_either
+from jaxamp._torch.exact import float_bits, multiply_exact_either
 
 
 def _is_nonzero(x: jax.Array) -> jax.Array:

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._xla import enabled
+
 _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic)
 
 
@@ -50,7 +52,7 @@ def call_compiled(fn: Callable, static: Hashable, *args: Any) -> Any:
   on every call instead. Under a trace (``jit``, ``grad``, ``vmap``) it is
   ``fn(static, *args)``.
   """
-  if traced(args):
+  if traced(args) or not enabled("compile_cache"):
     return fn(static, *args)
   leaves, treedef = jax.tree.flatten(args)
   arrays = [leaf for leaf in leaves if isinstance(leaf, _ARRAY_LIKE)]

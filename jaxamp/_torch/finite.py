@@ -84,7 +84,7 @@ def all_finite(tree: Any) -> jax.Array:
 
   Examples:
     >>> import jax.numpy as jnp, jaxamp
-    >>> bool(jaxamp.all_finite({"w": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+    >>> bool(jaxamp.ops.all_finite({"w": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
     False
   """
   _check_arrays(tree)

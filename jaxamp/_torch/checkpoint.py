@@ -38,15 +38,15 @@ from jaxamp._config import (
   INT32_MIN,
   check_scale,
 )
-from jaxamp._core import int32_array, scale_array
-from jaxamp._state_access import (
+from jaxamp._frontends.state_access import (
   INJECT_STATES,
   field_array,
   find_loss_scale_state,
   is_loss_scale_state,
   opt_state_of,
 )
-from jaxamp._transform import DynamicLossScaleState
+from jaxamp._frontends.transform import DynamicLossScaleState
+from jaxamp._torch.core import int32_array, scale_array
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 HYPERPARAMETERS = ("growth_factor", "backoff_factor", "growth_interval")

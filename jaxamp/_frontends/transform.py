@@ -10,22 +10,17 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._compile import call_compiled, traced
 from jaxamp._config import LossScaleConfig, loss_scale_config
-from jaxamp._core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
-from jaxamp._groups import ParamLabels, grouped, skip_groups, skipped_leaves
-from jaxamp._in_place import apply_unless
-from jaxamp._layout import row_major
-from jaxamp._schedules import advance_schedule_counts
-from jaxamp._unscale import (
-  finite_leaves,
-  inverse_parts,
-  rounded_unscaled,
-  runtime_zero,
-  unscale_finite_by,
-)
+from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
+from jaxamp._torch.groups import ParamLabels, grouped, skip_groups, skipped_leaves
+from jaxamp._torch.schedules import advance_schedule_counts
+from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
+from jaxamp._xla.compile_cache import call_compiled, traced
+from jaxamp._xla.fma_guard import rounded_unscaled
+from jaxamp._xla.in_place import apply_unless
+from jaxamp._xla.layout import row_major
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -47,7 +42,7 @@ class DynamicLossScaleState(NamedTuple):
     update_count: updates so far, skipped or not, int32 ``[]`` (saturating).
     nonfinite_leaves: for each gradient leaf (``jax.tree.leaves`` order),
       whether it held inf/NaN in the last skipped step, bool ``[n_leaves]``;
-      see :func:`jaxamp.nonfinite_leaf_paths`.
+      see :func:`jaxamp.ops.nonfinite_leaf_paths`.
     config: the configuration the transformation was built with: static, no
       leaves, part of the tree structure (build ``shard_map`` specs from this
       state, not another transformation's); injected hyperparameters are
@@ -164,13 +159,12 @@ def _update(static, grads, state, params, extra_args, known, injected):
   else:
     nonfinite, found_inf, parts = known.nonfinite, known.found_inf, known.parts
   types = OutputTypes() if known is None else known.types
-  zero = runtime_zero(state.loss_scale)
 
   def apply(grads, inner_state, params):
     # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels,
     # where the gradients are finite; `rounded_unscaled` keeps each value
     # rounded as torch materialises it (no FMA).
-    unscaled = rounded_unscaled(unscale_finite_by(grads, parts), zero)
+    unscaled = rounded_unscaled(unscale_finite_by(grads, parts), state.loss_scale)
     return types.record(inner.update(unscaled, inner_state, params, **extra_args))
 
   def skip(grads, inner_state, params):

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from jaxamp._xla import enabled
+
 
 def map_by_platform(
   tree: Any, chosen: Callable[[Any], bool], *, cpu: Callable, default: Callable
@@ -22,6 +24,8 @@ def map_by_platform(
   picked = [i for i, leaf in enumerate(leaves) if chosen(leaf)]
   if not picked:
     return tree
+  if not enabled("platform"):
+    return jax.tree.map(lambda leaf: default(leaf) if chosen(leaf) else leaf, tree)
   mapped = lax.platform_dependent(
     *(leaves[i] for i in picked),
     cpu=lambda *ls: tuple(map(cpu, ls)),

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from jaxamp._config import LossScaleConfig
-from jaxamp._scale_update import update_loss_scale
 from jaxamp._skip_limit import check_in_computation, check_on_host
+from jaxamp._torch.scale_rule import update_loss_scale
 
 
 class LossScaleCore(NamedTuple):
@@ -73,7 +73,7 @@ def advance(
 ) -> LossScaleCore:
   """The core after one update that found (or did not find) inf/NaN.
 
-  torch's rule (:func:`~jaxamp.update_loss_scale`) with the options::
+  torch's rule (:func:`~jaxamp.ops.update_loss_scale`) with the options::
 
     back_off = found_inf and hysteresis_tracker <= 1
     scale, tracker = update_loss_scale(scale, tracker, found_inf)   # torch

@@ -74,7 +74,7 @@ def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.Gradien
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = jaxamp.dynamic_loss_scale(
-    ...     optax.chain(jaxamp.clip_by_torch_norm(1.0), optax.sgd(1.0)), init_scale=4.0)
+    ...     optax.chain(jaxamp.ops.clip_by_torch_norm(1.0), optax.sgd(1.0)), init_scale=4.0)
     >>> params = {"w": jnp.zeros(2)}
     >>> updates, state = tx.update({"w": jnp.array([12.0, 16.0])}, tx.init(params), params)
     >>> float(state.inner_state[0].total_norm)  # the unscaled gradients' norm

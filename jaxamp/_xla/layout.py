@@ -6,8 +6,9 @@ from typing import Any
 
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from jaxamp._compile import traced
-from jaxamp._platform import map_by_platform
+from jaxamp._xla import enabled
+from jaxamp._xla.compile_cache import traced
+from jaxamp._xla.platform import map_by_platform
 
 
 def _constrained(g: Any) -> Any:
@@ -32,6 +33,6 @@ def row_major(grads: Any) -> Any:
   it again. It changes no value; on other platforms, and outside a trace,
   ``grads`` is returned as it is.
   """
-  if not traced(grads):
+  if not (enabled("layout") and traced(grads)):
     return grads
   return map_by_platform(grads, _is_matrix, cpu=_constrained, default=lambda g: g)

@@ -8,9 +8,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters.batching import BatchTracer
 
-from jaxamp._compile import traced
+from jaxamp._xla import enabled
+from jaxamp._xla.compile_cache import traced
+from jaxamp._xla.jax_internals import is_batched
 
 
 class _TypesDiffer(Exception):
@@ -67,7 +68,7 @@ def apply_unless(
 
   # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
   # vmap its predicate is batched, and checkify cannot check a batched loop.
-  if not in_place or not traced(found_inf) or isinstance(found_inf, BatchTracer):
+  if not (in_place and enabled("in_place")) or not traced(found_inf) or is_batched(found_inf):
     return conditional()
   try:
     _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))
