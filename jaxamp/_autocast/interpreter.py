@@ -1,9 +1,14 @@
-"""``autocast``: torch's autocast op policy applied to float32 JAX code, as a jaxpr interpreter."""
+"""The jaxpr interpreter: a traced program re-run equation by equation, with casts.
+
+``autocast`` traces its function to a jaxpr; :class:`Interpreter` evaluates
+that jaxpr in the caller's trace, casting each equation's inputs as the policy
+(``policies.py``) says, and rebuilds the nested jaxprs (``jit``, ``scan``,
+``while``, ``cond``, ``remat``, custom derivatives) with the policy inside.
+"""
 
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,66 +19,10 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
+from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER
+
 # The name scope autocast_disabled puts its function's equations in.
 DISABLED_SCOPE = "jaxamp_autocast_disabled"
-
-HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-F32 = np.dtype(jnp.float32)
-
-# torch's "lower precision" list, as JAX primitives: every matmul-like torch op
-# (mm, matmul, linear, bmm, baddbmm, addmm, addbmm, einsum, tensordot, conv*)
-# traces to one of these two.
-LOWER = frozenset({"dot_general", "conv_general_dilated"})
-
-# Primitives with no half kernels in JAX (LAPACK, FFT): float32 in both
-# policies (torch's CPU list has cholesky, inverse, linalg_*, fft_*).
-_LINALG = frozenset(
-  {"cholesky", "lu", "qr", "svd", "eigh", "eig", "triangular_solve", "householder_product", "fft"}
-)
-
-# torch's CUDA float32 list, as JAX primitives (docs/autocast.md has the table).
-FP32_CUDA = (
-  frozenset(
-    {
-      "exp",
-      "exp2",
-      "expm1",
-      "log",
-      "log1p",
-      "pow",
-      "integer_pow",
-      "square",
-      "rsqrt",
-      "reduce_sum",
-      "reduce_prod",
-      "cumsum",
-      "cumprod",
-      "cumlogsumexp",
-      "erf_inv",
-      "acos",
-      "asin",
-      "cosh",
-      "sinh",
-      "tan",
-    }
-  )
-  | _LINALG
-)
-
-# torch's CPU float32 list, as JAX primitives: prod is the only op of that list
-# that is one primitive (the losses, cdist, ... decompose into ops that run in
-# their input types on CPU too).
-FP32_CPU = frozenset({"reduce_prod"}) | _LINALG
-
-POLICIES = {"cuda": FP32_CUDA, "cpu": FP32_CPU}
-
-# Reductions that, run in a half dtype, accumulate in float32 and round once
-# (torch's "opmath"; jnp.sum of a float16 array does the same).
-_ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod", "cumprod"})
-
-# Primitives whose result depends on the bits of their input dtype: always
-# evaluated as the original jaxpr had them.
-_EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
 
 
 def _is_float(dtype: Any) -> bool:
@@ -84,7 +33,7 @@ def _widest(dtypes: list[Any]) -> Any:
   return functools.reduce(jnp.promote_types, dtypes)
 
 
-class _Interpreter:
+class Interpreter:
   """Evaluates jaxprs with the policy; one per ``autocast`` call (its cast cache)."""
 
   def __init__(self, dtype: Any, fp32: frozenset[str]):
@@ -126,9 +75,9 @@ class _Interpreter:
     _, primitive, params, (lhs, rhs) = hit
     return _with_bias(primitive, params, lhs, rhs, self.cast(bias, self.dtype))
 
-  def fresh(self) -> _Interpreter:
+  def fresh(self) -> Interpreter:
     """An interpreter with the same policy and its own cache (for a nested trace)."""
-    return _Interpreter(self.dtype, self.fp32)
+    return Interpreter(self.dtype, self.fp32)
 
   # -- casting ------------------------------------------------------------------
 
@@ -176,7 +125,7 @@ class _Interpreter:
 
   def eval_eqn(self, eqn: Any, args: list[Any]) -> Any:
     name = eqn.primitive.name
-    if DISABLED_SCOPE in str(eqn.source_info.name_stack) or name in _EXACT_DTYPE:
+    if DISABLED_SCOPE in str(eqn.source_info.name_stack) or name in EXACT_DTYPE:
       return self.original(eqn, args)
     nested = _NESTED.get(name)
     if nested is not None:
@@ -234,7 +183,7 @@ class _Interpreter:
     for key in ("out_dtype", "preferred_element_type"):
       if name not in LOWER and params.get(key) is not None and _is_float(params[key]):
         params[key] = _widest(now)
-    if name in _ACCUMULATE_F32 and now[0] in HALF:
+    if name in ACCUMULATE_F32 and now[0] in HALF:
       out = eqn.primitive.bind(*[self.cast(a, F32) for a in args], **params)
       return self.cast(out, now[0])
     try:
@@ -315,14 +264,14 @@ def _bind_params(eqn: Any) -> dict[str, Any]:
   return dict(eqn.primitive.get_bind_params(eqn.params))
 
 
-def _inline(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _inline(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
     if key in eqn.params:
       return interp.call(eqn.params[key], args)
   return interp.original(eqn, args)
 
 
-def _custom_jvp(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _custom_jvp(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   """The custom rule when the policy changes nothing inside (``jax.nn.relu`` on a
   float16 input: its own jvp at float16); otherwise the primal, inlined, and
   differentiated as it is computed."""
@@ -341,7 +290,7 @@ def _custom_jvp(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return eqn.primitive.bind(*args, **params)
 
 
-def _lift_jvp(interp: _Interpreter, num_consts: int, jvp_jaxpr_fun: Any) -> Callable[..., Any]:
+def _lift_jvp(interp: Interpreter, num_consts: int, jvp_jaxpr_fun: Any) -> Callable[..., Any]:
   """jax's ``lift_jvp`` with the jvp jaxpr evaluated by a fresh interpreter."""
   zero = jax.custom_derivatives.SymbolicZero
 
@@ -363,11 +312,11 @@ def _lift_jvp(interp: _Interpreter, num_consts: int, jvp_jaxpr_fun: Any) -> Call
   return jvp
 
 
-def _carry_cast(interp: _Interpreter, outs: list[Any], like: list[Any]) -> list[Any]:
+def _carry_cast(interp: Interpreter, outs: list[Any], like: list[Any]) -> list[Any]:
   return [interp.cast(o, x.dtype) for o, x in zip(outs, like)]
 
 
-def _scan(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _scan(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   p = eqn.params
   nc, ncarry = p["num_consts"], p["num_carry"]
   consts, init, xs = args[:nc], args[nc : nc + ncarry], args[nc + ncarry :]
@@ -382,7 +331,7 @@ def _scan(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return [*carry, *ys]
 
 
-def _while(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _while(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   p = eqn.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
   cconsts, bconsts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
@@ -400,7 +349,7 @@ def _while(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return list(lax.while_loop(cond, body, list(init)))
 
 
-def _cond(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _cond(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   index, ops = args[0], args[1:]
   branches = eqn.params["branches"]
   shapes = [jax.eval_shape(interp.traced(b), *ops) for b in branches]
@@ -417,7 +366,7 @@ def _cond(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return list(lax.switch(index, [branch(b) for b in branches], *ops))
 
 
-def _remat(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
+def _remat(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   p = eqn.params
   jaxpr = p["jaxpr"]
 
@@ -427,7 +376,7 @@ def _remat(interp: _Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args)
 
 
-_NESTED: dict[str, Callable[[_Interpreter, Any, list[Any]], Any]] = {
+_NESTED: dict[str, Callable[[Interpreter, Any, list[Any]], Any]] = {
   "pjit": _inline,
   "jit": _inline,
   "closed_call": _inline,
@@ -443,12 +392,12 @@ _NESTED: dict[str, Callable[[_Interpreter, Any, list[Any]], Any]] = {
 }
 
 
-def _is_array_leaf(x: Any) -> bool:
+def is_array_leaf(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _check_outputs(fn: Callable[..., Any], out: Any) -> None:
-  bad = [x for x in jax.tree.leaves(out) if not (_is_array_leaf(x) or hasattr(x, "aval"))]
+  bad = [x for x in jax.tree.leaves(out) if not (is_array_leaf(x) or hasattr(x, "aval"))]
   bad = [x for x in bad if not isinstance(x, (bool, int, float, complex))]
   if bad:
     raise TypeError(
@@ -458,91 +407,12 @@ def _check_outputs(fn: Callable[..., Any], out: Any) -> None:
     )
 
 
-def autocast(
-  fn: Callable[..., Any],
-  dtype: Any = jnp.float16,
-  *,
-  policy: str = "cuda",
-  enabled: bool = True,
-) -> Callable[..., Any]:
-  """``fn`` with torch's autocast op policy: matmuls and convolutions in ``dtype``.
-
-  ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen
-  ``apply``). Each call traces it to a jaxpr and evaluates that equation by
-  equation: ``dot_general`` and ``conv_general_dilated`` (every matmul, linear,
-  einsum and conv) run in ``dtype`` (their float32 inputs cast to it, cast
-  once per call however often they are used), the primitives of torch's float32
-  list for ``policy`` (``"cuda"``, the default: ``exp``, ``log``, ``pow``,
-  ``rsqrt``, ``reduce_sum``, ...; ``"cpu"``: ``reduce_prod``, linear algebra,
-  FFT) run in float32, and every other primitive runs in the dtypes its inputs
-  arrive in, mixed inputs promoted to the widest as torch promotes (0-dim
-  inputs do not promote dimensioned ones). Parameters stay float32; gradients
-  are those of the cast computation. Equations inside
-  :func:`autocast_disabled` run as written, in float32. The policy, the
-  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
-
-  Args:
-    fn: the function; its array arguments (leaves of any pytree) are traced,
-      other leaves are static. It returns a pytree of arrays. An NNX module
-      has its state passed in and returned (BatchNorm statistics and RNG
-      counts update).
-    dtype: ``jnp.float16`` or ``jnp.bfloat16``.
-    policy: ``"cuda"`` or ``"cpu"``: whose float32 list to apply.
-    enabled: ``False`` returns ``fn`` itself (torch's ``enabled=False``).
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxamp
-    >>> def f(w, x):
-    ...   return jax.nn.softmax(x @ w)
-    >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
-    >>> jax.eval_shape(jaxamp.autocast(lambda w, x: x @ w), w, x).dtype
-    dtype('float16')
-    >>> jaxamp.autocast(f)(w, x).dtype   # softmax: float32 on the CUDA list
-    dtype('float32')
-    >>> jaxamp.autocast(f, policy="cpu")(w, x).dtype   # torch's CPU list: input dtype
-    dtype('float16')
-  """
-  if not callable(fn):
-    raise TypeError(
-      f"autocast: fn must be callable, got {type(fn).__name__}.\n"
-      "Pass the function (or module) itself: jaxamp.autocast(f)(x), not jaxamp.autocast(f(x))."
-    )
-  if policy not in POLICIES:
-    raise ValueError(
-      f"autocast: unknown policy {policy!r}.\nUse policy='cuda' (the default) or policy='cpu'."
-    )
-  try:
-    half = np.dtype(dtype)
-  except TypeError:
-    half = None
-  if half not in HALF:
-    raise ValueError(
-      f"autocast: dtype must be float16 or bfloat16, got {dtype!r}.\n"
-      "Use jnp.float16 or jnp.bfloat16 (as torch does); to run fn in float32, "
-      "pass enabled=False."
-    )
-  if not enabled:
-    return fn
-  fp32 = POLICIES[policy]
-
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is not None and isinstance(fn, nnx.Module):
-    return _module_call(nnx, fn, half, fp32)
-
-  @functools.wraps(fn)
-  def wrapped(*args: Any, **kwargs: Any) -> Any:
-    return _interpret(fn, half, fp32, args, kwargs)
-
-  return wrapped
-
-
-def _interpret(
+def interpret(
   fn: Callable[..., Any], half: Any, fp32: frozenset[str], args: Any, kwargs: Any
 ) -> Any:
   """``fn(*args, **kwargs)`` traced to a jaxpr and evaluated with the policy."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  traced = [i for i, x in enumerate(leaves) if _is_array_leaf(x) or hasattr(x, "aval")]
+  traced = [i for i, x in enumerate(leaves) if is_array_leaf(x) or hasattr(x, "aval")]
 
   def flat_fn(*arrays: Any) -> Any:
     full = list(leaves)
@@ -555,57 +425,5 @@ def _interpret(
 
   arrays = [leaves[i] for i in traced]
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-  outs = _Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
+  outs = Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-
-def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Callable[..., Any]:
-  """An NNX module's call with its state passed in and returned (so BatchNorm
-  statistics and Dropout's RNG counts update); the new state keeps the old
-  state's dtypes (parameters stay float32)."""
-
-  def call(*args: Any, **kwargs: Any) -> Any:
-    graphdef, state = nnx.split(module)
-
-    def pure(state: Any, *args: Any, **kwargs: Any) -> Any:
-      m = nnx.merge(graphdef, state)
-      return m(*args, **kwargs), nnx.state(m)
-
-    out, new_state = _interpret(pure, half, fp32, (state, *args), kwargs)
-    new_state = jax.tree.map(
-      lambda new, old: new.astype(old.dtype) if _is_float(old.dtype) else new, new_state, state
-    )
-    nnx.update(module, new_state)
-    return out
-
-  return call
-
-
-def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` run in float32 inside an :func:`autocast` function (torch's
-  ``autocast(enabled=False)`` region): its floating array inputs are cast to
-  float32 and its equations run as written. Outside ``autocast`` it is ``fn``
-  with float32 inputs.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxamp
-    >>> def f(w, x):
-    ...   h = x @ w                                            # float16
-    ...   return jaxamp.autocast_disabled(lambda h: h @ w)(h)  # float32
-    >>> jaxamp.autocast(f)(jnp.ones((3, 3)), jnp.ones((2, 3))).dtype
-    dtype('float32')
-  """
-
-  @functools.wraps(fn)
-  def wrapped(*args: Any, **kwargs: Any) -> Any:
-    def up(x: Any) -> Any:
-      if (_is_array_leaf(x) or hasattr(x, "aval")) and np.dtype(x.dtype) in HALF:
-        return jnp.asarray(x).astype(F32)
-      return x
-
-    args, kwargs = jax.tree.map(up, (args, kwargs))
-    with jax.named_scope(DISABLED_SCOPE):
-      return fn(*args, **kwargs)
-
-  return wrapped

@@ -1,0 +1,68 @@
+"""torch's autocast op lists as JAX primitives: which primitive runs in which dtype.
+
+docs/autocast.md has torch's lists (CUDA from torch's op reference, CPU as
+measured on torch 2.13) and the torch-op-to-primitive table these sets encode.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+F32 = np.dtype(jnp.float32)
+
+# torch's "lower precision" list, as JAX primitives: every matmul-like torch op
+# (mm, matmul, linear, bmm, baddbmm, addmm, addbmm, einsum, tensordot, conv*)
+# traces to one of these two.
+LOWER = frozenset({"dot_general", "conv_general_dilated"})
+
+# Primitives with no half kernels in JAX (LAPACK, FFT): float32 in both
+# policies (torch's CPU list has cholesky, inverse, linalg_*, fft_*).
+_LINALG = frozenset(
+  {"cholesky", "lu", "qr", "svd", "eigh", "eig", "triangular_solve", "householder_product", "fft"}
+)
+
+# torch's CUDA float32 list, as JAX primitives (docs/autocast.md has the table).
+FP32_CUDA = (
+  frozenset(
+    {
+      "exp",
+      "exp2",
+      "expm1",
+      "log",
+      "log1p",
+      "pow",
+      "integer_pow",
+      "square",
+      "rsqrt",
+      "reduce_sum",
+      "reduce_prod",
+      "cumsum",
+      "cumprod",
+      "cumlogsumexp",
+      "erf_inv",
+      "acos",
+      "asin",
+      "cosh",
+      "sinh",
+      "tan",
+    }
+  )
+  | _LINALG
+)
+
+# torch's CPU float32 list, as JAX primitives: prod is the only op of that list
+# that is one primitive (the losses, cdist, ... decompose into ops that run in
+# their input types on CPU too).
+FP32_CPU = frozenset({"reduce_prod"}) | _LINALG
+
+POLICIES = {"cuda": FP32_CUDA, "cpu": FP32_CPU}
+
+# Reductions that, run in a half dtype, accumulate in float32 and round once
+# (torch's "opmath"; jnp.sum of a float16 array does the same).
+ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod", "cumprod"})
+
+# Primitives whose result depends on the bits of their input dtype: always
+# evaluated as the original jaxpr had them.
+EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})

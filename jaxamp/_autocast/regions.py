@@ -1,0 +1,148 @@
+"""``autocast`` and ``autocast_disabled``: torch's autocast regions for JAX functions."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast.interpreter import DISABLED_SCOPE, interpret, is_array_leaf
+from jaxamp._autocast.policies import F32, HALF, POLICIES
+
+
+def autocast(
+  fn: Callable[..., Any],
+  dtype: Any = jnp.float16,
+  *,
+  policy: str = "cuda",
+  enabled: bool = True,
+) -> Callable[..., Any]:
+  """``fn`` with torch's autocast op policy: matmuls and convolutions in ``dtype``.
+
+  ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen
+  ``apply``). Each call traces it to a jaxpr and evaluates that equation by
+  equation: ``dot_general`` and ``conv_general_dilated`` (every matmul, linear,
+  einsum and conv) run in ``dtype`` (their float32 inputs cast to it, cast
+  once per call however often they are used), the primitives of torch's float32
+  list for ``policy`` (``"cuda"``, the default: ``exp``, ``log``, ``pow``,
+  ``rsqrt``, ``reduce_sum``, ...; ``"cpu"``: ``reduce_prod``, linear algebra,
+  FFT) run in float32, and every other primitive runs in the dtypes its inputs
+  arrive in, mixed inputs promoted to the widest as torch promotes (0-dim
+  inputs do not promote dimensioned ones). Parameters stay float32; gradients
+  are those of the cast computation. Equations inside
+  :func:`autocast_disabled` run as written, in float32. The policy, the
+  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
+
+  Args:
+    fn: the function; its array arguments (leaves of any pytree) are traced,
+      other leaves are static. It returns a pytree of arrays. An NNX module
+      has its state passed in and returned (BatchNorm statistics and RNG
+      counts update).
+    dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+    policy: ``"cuda"`` or ``"cpu"``: whose float32 list to apply.
+    enabled: ``False`` returns ``fn`` itself (torch's ``enabled=False``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxamp
+    >>> def f(w, x):
+    ...   return jax.nn.softmax(x @ w)
+    >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    >>> jax.eval_shape(jaxamp.autocast(lambda w, x: x @ w), w, x).dtype
+    dtype('float16')
+    >>> jaxamp.autocast(f)(w, x).dtype   # softmax: float32 on the CUDA list
+    dtype('float32')
+    >>> jaxamp.autocast(f, policy="cpu")(w, x).dtype   # torch's CPU list: input dtype
+    dtype('float16')
+  """
+  if not callable(fn):
+    raise TypeError(
+      f"autocast: fn must be callable, got {type(fn).__name__}.\n"
+      "Pass the function (or module) itself: jaxamp.autocast(f)(x), not jaxamp.autocast(f(x))."
+    )
+  if policy not in POLICIES:
+    raise ValueError(
+      f"autocast: unknown policy {policy!r}.\nUse policy='cuda' (the default) or policy='cpu'."
+    )
+  try:
+    half = np.dtype(dtype)
+  except TypeError:
+    half = None
+  if half not in HALF:
+    raise ValueError(
+      f"autocast: dtype must be float16 or bfloat16, got {dtype!r}.\n"
+      "Use jnp.float16 or jnp.bfloat16 (as torch does); to run fn in float32, "
+      "pass enabled=False."
+    )
+  if not enabled:
+    return fn
+  fp32 = POLICIES[policy]
+
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(fn, nnx.Module):
+    return _module_call(nnx, fn, half, fp32)
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    return interpret(fn, half, fp32, args, kwargs)
+
+  return wrapped
+
+
+def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Callable[..., Any]:
+  """An NNX module's call with its state passed in and returned (so BatchNorm
+  statistics and Dropout's RNG counts update); the new state keeps the old
+  state's dtypes (parameters stay float32)."""
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    graphdef, state = nnx.split(module)
+
+    def pure(state: Any, *args: Any, **kwargs: Any) -> Any:
+      m = nnx.merge(graphdef, state)
+      return m(*args, **kwargs), nnx.state(m)
+
+    out, new_state = interpret(pure, half, fp32, (state, *args), kwargs)
+    new_state = jax.tree.map(
+      lambda new, old: new.astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating) else new,
+      new_state,
+      state,
+    )
+    nnx.update(module, new_state)
+    return out
+
+  return call
+
+
+def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` run in float32 inside an :func:`autocast` function (torch's
+  ``autocast(enabled=False)`` region): its floating array inputs are cast to
+  float32 and its equations run as written. Outside ``autocast`` it is ``fn``
+  with float32 inputs.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxamp
+    >>> def f(w, x):
+    ...   h = x @ w                                            # float16
+    ...   return jaxamp.autocast_disabled(lambda h: h @ w)(h)  # float32
+    >>> jaxamp.autocast(f)(jnp.ones((3, 3)), jnp.ones((2, 3))).dtype
+    dtype('float32')
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def up(x: Any) -> Any:
+      if (is_array_leaf(x) or hasattr(x, "aval")) and np.dtype(x.dtype) in HALF:
+        return jnp.asarray(x).astype(F32)
+      return x
+
+    args, kwargs = jax.tree.map(up, (args, kwargs))
+    with jax.named_scope(DISABLED_SCOPE):
+      return fn(*args, **kwargs)
+
+  return wrapped
