@@ -168,17 +168,17 @@ def test_each_step_traces_the_optimizer_once(form):
   assert len(calls) == 1
 
 
-def test_skipped_step_types_come_from_eval_shape_when_nothing_was_recorded():
-  from jaxamp._frontends.transform import OutputTypes
+def test_skipped_step_types_come_from_eval_shape_when_apply_was_not_traced():
+  from jaxamp._engine import with_output_types
 
   def step(x):
     return x.astype(jnp.bfloat16), {"count": jnp.int32(0)}
 
   x = jnp.ones(3)
-  assert OutputTypes().of(step, x) == jax.eval_shape(step, x)
-  recorded = OutputTypes()
-  recorded.record(step(x))
-  assert [t.dtype for t in jax.tree.leaves(recorded.of(step, x))] == [jnp.bfloat16, jnp.int32]
+  apply, output_types = with_output_types(step)
+  assert output_types(x) == jax.eval_shape(step, x)
+  apply(x)
+  assert [t.dtype for t in jax.tree.leaves(output_types(x))] == [jnp.bfloat16, jnp.int32]
 
 
 def _copies_of_param_sized_buffers(hlo: str) -> list[str]:

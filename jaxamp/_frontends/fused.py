@@ -5,19 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._frontends.state_access import INJECT_STATES, find_loss_scale_state
-from jaxamp._frontends.transform import (
-  KNOWN_CHECK,
-  DynamicLossScaleState,
-  KnownCheck,
-  OutputTypes,
-  check_gradients,
-  core_of,
+from jaxamp import _engine as engine
+from jaxamp._frontends.state_access import (
+  INJECT_STATES,
+  find_loss_scale_state,
+  is_loss_scale_state,
 )
+from jaxamp._frontends.transform import CheckedState, DynamicLossScaleState, core_of
 from jaxamp._torch.accumulation import (
   AccumulateGradients,
   AccumulateGradientsState,
@@ -27,8 +24,6 @@ from jaxamp._torch.accumulation import (
   within_window,
 )
 from jaxamp._torch.core import check_skip_limit
-from jaxamp._torch.groups import skipped_leaves
-from jaxamp._torch.unscale import inverse_parts
 from jaxamp._validation import check_float_gradients, check_same_structure
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.fma_guard import rounded_updates
@@ -179,37 +174,39 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
 
 
 def _fused_step(tx, grads, opt_state, params, extra_args, eager):
-  """Check ``grads`` once, then the whole update in one branch, or the skip."""
+  """The engine's check once, then the whole update (``tx.update`` and
+  ``apply_updates``) in its applied branch, or the skip."""
   scale_state = find_loss_scale_state(opt_state)
   config = scale_state.config
   if not config.enabled:  # a disabled scaler checks nothing and never skips
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), new_state
-  nonfinite, found_inf = check_gradients(grads, scale_state, config)
-  parts = inverse_parts(scale_state.loss_scale)  # outside the cond: see unscale_by
-  types = OutputTypes()  # recorded by the applied branch, read by the skipped one
+  check = engine.check(grads, scale_state.loss_scale, config, scale_state)
+  labels = None if config.param_labels is None else config.param_labels.of(grads)
 
   def update(params, opt_state, found_inf):
-    check = KnownCheck(nonfinite, parts, found_inf, eager, types)
-    return tx.update(grads, opt_state, params, **extra_args, **{KNOWN_CHECK: check})
+    # The transformation runs the engine's iteration in this branch, with
+    # this check: it neither checks nor branches again.
+    def checked(node):
+      return CheckedState(node, check, found_inf, eager) if is_loss_scale_state(node) else node
 
-  def skip(params, opt_state):
-    # found_inf is a constant here, so the transform runs no lax.cond of its own.
-    updates, new_state = update(params, opt_state, True)
-    if config.param_labels is None:
-      return params, new_state
-    # Several optimizers: the groups whose gradients are finite still step.
-    skipped = skipped_leaves(nonfinite, config.param_labels.of(grads))
-    stepped = optax.apply_updates(params, updates)
-    leaves, treedef = jax.tree.flatten(params)
-    kept = [jnp.where(s, p, n) for s, p, n in zip(skipped, leaves, jax.tree.leaves(stepped))]
-    return jax.tree.unflatten(treedef, kept), new_state
+    opt_state = jax.tree.map(checked, opt_state, is_leaf=is_loss_scale_state)
+    return tx.update(grads, opt_state, params, **extra_args)
 
-  def apply(params, opt_state):
+  def applied(params, opt_state):
     updates, new_state = update(params, opt_state, False)
     updates = rounded_updates(updates, scale_state.loss_scale)
     return optax.apply_updates(params, updates), new_state
 
+  apply, output_types = engine.with_output_types(applied)
+
+  def skip(params, opt_state):
+    updates, new_state = update(params, opt_state, True)
+    if labels is None:  # nothing applied: the state typed as the applied branch's
+      return params, engine.typed_like(new_state, output_types(params, opt_state)[1])
+    stepped = optax.apply_updates(params, updates)  # the finite groups' updates
+    return engine.keep_skipped_params(params, stepped, check, labels), new_state
+
   # params and opt_state are the branches' operands, so a donated buffer is
   # updated in place, and a skipped step leaves it untouched without a copy.
-  return lax.cond(~found_inf, apply, skip, params, opt_state)
+  return engine.apply_or_skip(check.found_inf, apply, skip, params, opt_state)

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from jaxamp import _engine as engine
 from jaxamp._config import (
   LossScaleConfig,
   check_flag,
@@ -32,7 +32,6 @@ from jaxamp._config import (
   python_number,
 )
 from jaxamp._frontends.optimizer import Optimizer, per_param_leaf, updated
-from jaxamp._frontends.transform import OutputTypes, typed_like
 from jaxamp._torch.checkpoint import STATE_DICT_KEYS, check_state_dict
 from jaxamp._torch.core import (
   LossScaleCore,
@@ -43,7 +42,6 @@ from jaxamp._torch.core import (
   scale_array,
 )
 from jaxamp._torch.scaling import multiply_by_scale
-from jaxamp._torch.schedules import advance_schedule_counts
 from jaxamp._torch.unscale import finite_leaves, unscale
 from jaxamp._validation import check_float_gradients, check_no_none_gradients, check_same_structure
 from jaxamp._xla.compile_cache import call_compiled, traced
@@ -60,6 +58,10 @@ _CLOSURE = "Closure use is not currently supported if GradScaler is enabled."
 _STEP_TWICE = "step() has already been called since the last update()."
 _NO_CHECKS_OPTIMIZER = "No inf checks were recorded for this optimizer."
 _NO_CHECKS_UPDATE = "No inf checks were recorded prior to update."
+_PICKLE = (
+  "A GradScaler instance may only be pickled at the beginning of an iteration, or at the "
+  "end after scaler.update()."
+)
 
 
 class _Stage(enum.Enum):
@@ -81,6 +83,10 @@ class _Unset:
   def __repr__(self) -> str:
     return "<unset>"
 
+  def __reduce__(self) -> str:
+    # The one instance, by name: copies and pickles keep ``value is _UNSET`` true.
+    return "_UNSET"
+
 
 _UNSET = _Unset()
 _OWNER_LOCK = threading.Lock()
@@ -93,16 +99,17 @@ def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
   """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``
   (with the schedules advanced, for ``schedule_counts="iterations"``)."""
   tx, schedule_counts = static
-  types = OutputTypes()
 
-  def apply():
-    return types.record(updated(tx, grads, opt_state, params, **extra_args))
+  def update(params, opt_state):
+    return updated(tx, grads, opt_state, params, **extra_args)
 
-  def skip():
-    state = advance_schedule_counts(opt_state) if schedule_counts == "iterations" else opt_state
-    return params, typed_like(state, types.of(apply)[1])
+  apply, output_types = engine.with_output_types(update)
 
-  return lax.cond(jnp.logical_not(found_inf), apply, skip)
+  def skip(params, opt_state):
+    _, state_type = output_types(params, opt_state)
+    return params, engine.typed_like(engine.skipped_state(opt_state, schedule_counts), state_type)
+
+  return engine.apply_or_skip(found_inf, apply, skip, params, opt_state)
 
 
 def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:
@@ -116,6 +123,28 @@ def _under_jit(x: Any) -> bool:
   while isinstance(x, jax.core.Tracer) and hasattr(x, "primal"):  # JVP, linearize
     x = x.primal
   return isinstance(x, jax.core.Tracer)
+
+
+def _in_iteration(method):
+  """Wraps a method that claims the scaler for its thread (``_claim``): if the call
+  raises, the claim it made is undone, as every other change of a refused call."""
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    before = self.__dict__.get("_owner")
+    try:
+      return method(self, *args, **kwargs)
+    except BaseException:
+      me = threading.current_thread()
+      with _OWNER_LOCK:
+        if self.__dict__.get("_owner") is me and before is not me:
+          if before is None:
+            self.__dict__.pop("_owner", None)
+          else:
+            self._owner = before if not before.is_alive() else None
+      raise
+
+  return wrapper
 
 
 def _key_of(optimizer: Any) -> int:
@@ -254,21 +283,52 @@ class GradScaler:
   # -- the iteration --------------------------------------------------------------
 
   def _claim(self, funcname: str) -> None:
-    """Refuses a second thread inside one iteration (``scale`` to ``update``):
-    torch's iteration spans several calls and ``update`` consumes every
-    optimizer's flags, so interleaved threads would mix their iterations."""
-    me = threading.get_ident()
+    """Makes the calling thread the owner of the iteration (``scale`` to ``update``),
+    refusing a second live thread: torch's iteration spans several calls and
+    ``update`` consumes every optimizer's flags, so interleaved threads would mix
+    their iterations. A thread that has ended owns nothing: an iteration it left
+    unfinished (it raised) does not lock the scaler, and the next thread continues
+    from the stages it left, as torch (docs/torch_semantics.md §1.13)."""
+    me = threading.current_thread()
     with _OWNER_LOCK:
-      owner = self.__dict__.setdefault("_owner", me)
-    if owner != me:
-      raise RuntimeError(
-        f"jaxamp: this GradScaler is being used from two threads: {funcname}() called from "
-        f"thread {me} while thread {owner} is in an iteration. Give each thread its "
-        "own scaler (torch's GradScaler is not thread-safe either)."
-      )
+      owner = self.__dict__.get("_owner")
+      if owner is None or owner is me or not owner.is_alive():
+        self._owner = me
+        return
+    raise RuntimeError(
+      f"jaxamp: this GradScaler is being used from two threads: {funcname}() called from "
+      f"thread {me.name!r} while thread {owner.name!r} is in an iteration (from scale() "
+      "to update()). Give each thread its own scaler (torch's GradScaler is not "
+      "thread-safe either), or end the other thread's iteration (scaler.update() in that "
+      "thread, or let the thread finish) first. Nothing was changed."
+    )
 
   def _release(self) -> None:
-    self.__dict__.pop("_owner", None)
+    with _OWNER_LOCK:
+      self.__dict__.pop("_owner", None)
+
+  # -- copies and pickles -----------------------------------------------------------
+
+  def __getstate__(self) -> dict[str, Any]:
+    """What ``copy``, ``deepcopy`` and ``pickle`` keep: as torch, only between
+    iterations (the records name optimizers by identity, which a copy cannot keep),
+    and the copy starts unowned, like a scaler before its first ``scale()`` at the
+    current scale and tracker (docs/torch_semantics.md §1.10)."""
+    if self._enabled and self._states:
+      raise RuntimeError(
+        f"{_PICKLE} (jaxamp: this scaler has recorded unscale_()/step() for "
+        f"{len(self._states)} optimizer(s) since the last update(); copy or pickle it "
+        "after update(). Nothing was changed.)"
+      )
+    state = {k: v for k, v in self.__dict__.items() if k != "_owner"}
+    if self._enabled:
+      state["_config"] = self._config.replace(init_scale=self.get_scale())
+      state["_init_growth_tracker"] = self._get_growth_tracker()
+      state["_scaled"] = False
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
 
   def _check_scaled(self, funcname: str) -> None:
     if not self._scaled:
@@ -288,6 +348,7 @@ class GradScaler:
         "Nothing was changed."
       )
 
+  @_in_iteration
   def scale(self, outputs: Any) -> Any:
     """Multiplies ``outputs`` (an array, or nested lists/tuples of arrays) by the scale.
 
@@ -349,6 +410,7 @@ class GradScaler:
       nonfinite = None
     return unscale(grads, scale), found_inf, nonfinite
 
+  @_in_iteration
   def unscale_(self, optimizer: Optimizer) -> None:
     """Unscales ``optimizer.grads`` in place and records whether they held inf/NaN.
 
@@ -376,6 +438,7 @@ class GradScaler:
       optimizer.nonfinite_leaves = nonfinite
     self._states = {**self._states, key: _Record(_Stage.UNSCALED, found_inf)}
 
+  @_in_iteration
   def step(self, optimizer: Optimizer, **extra_args: Any) -> None:
     """Applies ``optimizer``'s update unless its own gradients held inf/NaN.
 
@@ -418,6 +481,7 @@ class GradScaler:
       optimizer.nonfinite_leaves = nonfinite
     self._states = {**self._states, key: _Record(_Stage.STEPPED, found_inf)}
 
+  @_in_iteration
   def update(self, new_scale: float | jax.Array | None = None) -> None:
     """Updates the scale from this iteration's found_inf flags, and resets the stages.
 

@@ -8,18 +8,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from jaxamp import _engine as engine
 from jaxamp._config import LossScaleConfig, loss_scale_config
-from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
-from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
-from jaxamp._torch.groups import ParamLabels, grouped, skip_groups, skipped_leaves
-from jaxamp._torch.schedules import advance_schedule_counts
-from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
+from jaxamp._engine import Check
+from jaxamp._torch.core import LossScaleCore, check_skip_limit, init_core
+from jaxamp._torch.groups import ParamLabels, grouped
 from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
 from jaxamp._xla.compile_cache import call_compiled, traced
-from jaxamp._xla.fma_guard import rounded_unscaled
-from jaxamp._xla.in_place import apply_unless
 from jaxamp._xla.layout import row_major
 
 
@@ -67,129 +63,53 @@ def core_of(state: DynamicLossScaleState) -> LossScaleCore:
 
 
 @jax.tree_util.register_pytree_node_class
-class KnownCheck:
-  """The check of the gradients, made by ``jaxamp.apply_scaled_updates`` in
-  front of the transformation and passed to ``update`` as the extra argument
-  ``KNOWN_CHECK``: per-leaf ``nonfinite`` flags, the scale's ``inverse_parts``
-  (computed outside the caller's ``lax.cond``) and, static, ``found_inf``,
-  whether the call is eager (then the caller checks the skip limit after it)
-  and the :class:`OutputTypes` both of the caller's branches share."""
+class CheckedState:
+  """A :class:`DynamicLossScaleState` whose gradients ``apply_scaled_updates``
+  has checked already, given to ``update`` in its place from inside one of its
+  branches: the engine's ``Check``, and, static, that branch's ``found_inf``
+  and whether the call is eager (the caller then checks the skip limit after it)."""
 
-  def __init__(self, nonfinite, parts, found_inf: bool, eager: bool, types: OutputTypes):
-    self.nonfinite, self.parts, self.found_inf, self.eager = nonfinite, parts, found_inf, eager
-    self.types = types
+  def __init__(self, state: DynamicLossScaleState, check: Check, found_inf: bool, eager: bool):
+    self.state, self.check, self.found_inf, self.eager = state, check, found_inf, eager
 
   def tree_flatten(self):
-    return (self.nonfinite, self.parts), (self.found_inf, self.eager, self.types)
+    return (self.state, self.check), (self.found_inf, self.eager)
 
   @classmethod
   def tree_unflatten(cls, static, children):
     return cls(*children, *static)
 
 
-KNOWN_CHECK = "jaxamp_known_check"
-
-
-class OutputTypes:
-  """The types of the inner update's output, recorded where the applied step
-  is traced, so that the skipped step's zeros and state need not trace it a
-  second time (``lax.cond`` traces its true branch, the applied step, first;
-  otherwise the skipped step falls back to ``jax.eval_shape``)."""
-
-  def __init__(self) -> None:
-    self.recorded: Any = None
-
-  def record(self, output: Any) -> Any:
-    self.recorded = jax.tree.map(jax.typeof, output)
-    return output
-
-  def of(self, step, *args) -> Any:
-    return self.recorded if self.recorded is not None else jax.eval_shape(step, *args)
-
-
-def check_gradients(grads: Any, state: DynamicLossScaleState, config: LossScaleConfig):
-  """Per-leaf ``nonfinite`` flags and ``found_inf``, shared by every device of
-  ``config.axis_name``: the check both jaxamp steps make."""
-  if config.axis_name is None:
-    varying = sorted(set().union(*map(varying_axes, jax.tree.leaves(grads))))
-    if varying:
-      raise ValueError(
-        f"jaxamp: the gradients differ between the devices of the shard_map axes "
-        f"{varying}, but dynamic_loss_scale has no axis_name, so each device would "
-        f"skip on its own. Build it with axis_name={tuple(varying) if len(varying) > 1 else varying[0]!r}."
-      )
-  nonfinite = ~finite_leaves(grads, state.loss_scale, config.detect_unscale_overflow)
-  if config.axis_name is not None:
-    nonfinite = all_reduce_found_inf(nonfinite, state, config.axis_name)
-  return nonfinite, jnp.any(nonfinite)
-
-
-def _like(value: jax.Array, template: Any) -> jax.Array:
-  """``value`` marked as varying over the same ``shard_map`` axes as ``template``."""
-  missing = tuple(sorted(varying_axes(template) - varying_axes(value)))
-  return lax.pcast(value, missing, to="varying") if missing else value
-
-
-def typed_like(value: Any, template: Any) -> Any:
-  """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance: an
-  optimizer may widen its state on its first update (optax's Adam promotes a
-  bfloat16 parameter's moments to float32 with an injected float32 rate)."""
-  return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
-
-
-def _skipped(applied_step, types, grads, inner_state, params):
-  """Zero updates and the untouched inner state, typed as ``applied_step``'s output."""
-  updates_out, state_out = types.of(applied_step, grads, inner_state, params)
-  zeros = jax.tree.map(zeros_of_type, updates_out)
-  return typed_like(zeros, updates_out), typed_like(inner_state, state_out)
-
-
-def _update(static, grads, state, params, extra_args, known, injected):
-  """One torch iteration: check, apply or skip the inner update, advance the core."""
+def _update(static, grads, state, params, extra_args, checked, injected):
+  """One torch iteration of the engine, with ``inner`` as the update."""
   inner, recorded, eager = static
   config = recorded.replace(**injected)
   if config.param_labels is None:
     inner, labels = optax.with_extra_args_support(inner), None
   else:
     inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
-  if known is None:
+  if checked is None:
     grads = row_major(grads)  # before the step's loop or cond: see row_major
-    nonfinite, found_inf = check_gradients(grads, state, config)
-    parts = inverse_parts(state.loss_scale)  # outside the loop or cond: see unscale_by
+    check = engine.check(grads, state.loss_scale, config, state)
   else:
-    nonfinite, found_inf, parts = known.nonfinite, known.found_inf, known.parts
-  types = OutputTypes() if known is None else known.types
+    check = checked.check
 
-  def apply(grads, inner_state, params):
-    # Unscaled inside the branch, so XLA fuses it into the optimizer's kernels,
-    # where the gradients are finite; `rounded_unscaled` keeps each value
-    # rounded as torch materialises it (no FMA).
-    unscaled = rounded_unscaled(unscale_finite_by(grads, parts), state.loss_scale)
-    return types.record(inner.update(unscaled, inner_state, params, **extra_args))
+  def update(unscaled, inner_state, params):
+    return inner.update(unscaled, inner_state, params, **extra_args)
 
-  def skip(grads, inner_state, params):
-    if labels is not None:  # only the groups whose own gradients hold inf/NaN
-      skipped = skipped_leaves(nonfinite, labels)
-      applied = apply(grads, inner_state, params)
-      return skip_groups(labels, skipped, applied, inner_state, config.schedule_counts)
-    updates, inner_state = _skipped(apply, types, grads, inner_state, params)
-    if config.schedule_counts == "iterations":
-      inner_state = advance_schedule_counts(inner_state)
-    return updates, inner_state
-
-  operands = (grads, state.inner_state, params)
-  if known is not None:  # apply_scaled_updates runs each branch with found_inf known
-    updates, inner_state = (skip if known.found_inf else apply)(*operands)
-  else:
-    # A skipped step with labels still applies the finite groups; the skip
-    # limit's checkify cannot check a loop that vmap batched: both take the cond.
-    in_place = labels is None and config.max_consecutive_skips is None
-    on_skip = advance_schedule_counts if config.schedule_counts == "iterations" else None
-    updates, inner_state = apply_unless(
-      found_inf, apply, skip, *operands, in_place=in_place, on_skip=on_skip
-    )
-  core = advance(core_of(state), found_inf, config, eager=eager or bool(known and known.eager))
-  nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
+  (updates, inner_state), core = engine.iteration(
+    core_of(state),
+    config,
+    check,
+    update,
+    grads,
+    state.inner_state,
+    params,
+    labels=labels,
+    branch=None if checked is None else checked.found_inf,
+    eager=eager or bool(checked and checked.eager),
+  )
+  nonfinite = jnp.where(core.found_inf, check.nonfinite, state.nonfinite_leaves)
   return updates, state._replace(
     **core._asdict(), nonfinite_leaves=nonfinite, inner_state=inner_state
   )
@@ -351,7 +271,9 @@ def dynamic_loss_scale(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    known = extra_args.pop(KNOWN_CHECK, None)
+    checked = None
+    if isinstance(state, CheckedState):  # from inside apply_scaled_updates' branch
+      checked, state = state, state.state
     check_state(state, recorded)
     check_float_gradients(updates)
     check_same_structure(updates, params)
@@ -364,7 +286,7 @@ def dynamic_loss_scale(
         lambda g, s: inner.update(g, s, None, **extra_args), updates, state.inner_state
       )
       check_same_structure(updates, shapes)
-    arguments = (updates, state, params, extra_args, known, config.arrays())
+    arguments = (updates, state, params, extra_args, checked, config.arrays())
     eager = not traced((updates, state))
     updates, new_state = call_compiled(_update, (*static, eager), *arguments)
     if eager:  # outside jit: a clear error, and the caller's state as it was

@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._torch.schedules import advance_schedule_counts
-
 
 class ParamLabels:
   """``param_labels`` (a tree of labels, or a function of the gradients giving
@@ -70,26 +68,3 @@ def skipped_leaves(nonfinite: jax.Array, labels: list[Any] | None) -> jax.Array:
   for label, flag in zip(labels, nonfinite):
     found[label] = found[label] | flag
   return jnp.stack([found[label] for label in labels]) if labels else nonfinite
-
-
-def skip_groups(
-  labels: list[Any],
-  skipped: jax.Array,
-  applied: tuple[Any, Any],
-  inner_state: Any,
-  schedule_counts: str,
-):
-  """The inner update with the groups that found inf/NaN skipped: zero updates
-  for their leaves, and their inner states as they were."""
-  updates, new_state = applied
-  update_leaves, update_def = jax.tree.flatten(updates)
-  update_leaves = [jnp.where(s, jnp.zeros_like(u), u) for s, u in zip(skipped, update_leaves)]
-  group_skipped = dict(zip(labels, skipped))
-  states = {}
-  for label, new in new_state.inner_states.items():
-    old = inner_state.inner_states[label]
-    if schedule_counts == "iterations":
-      old = advance_schedule_counts(old)
-    skip = group_skipped.get(label, jnp.zeros([], bool))
-    states[label] = jax.tree.map(lambda o, n, skip=skip: jnp.where(skip, o, n), old, new)
-  return jax.tree.unflatten(update_def, update_leaves), new_state._replace(inner_states=states)

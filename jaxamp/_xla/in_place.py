@@ -25,31 +25,31 @@ def _type(x: Any) -> Any:
 def apply_unless(
   found_inf: jax.Array,
   apply: Callable,
-  skip: Callable,
   grads: Any,
   inner_state: Any,
   params: Any,
   *,
-  in_place: bool = True,
+  conditional: Callable[[], tuple[Any, Any]],
   on_skip: Callable | None = None,
 ) -> tuple[Any, Any]:
-  """``lax.cond(~found_inf, apply, skip, grads, inner_state, params)``, in place.
+  """``conditional()``, the engine's ``lax.cond(~found_inf, apply, skip, grads,
+  inner_state, params)``, computed in place.
 
   ``optax.apply_updates`` reads the updates after ``tx.update`` returns them,
   so they must come out as arrays. A ``lax.cond``'s outputs are a buffer of
-  their own, written while all the gradients are still live: a 17M-parameter
-  training step at batch 1 carried 49 MiB more temporaries than the plain
-  step and took 1.13-1.22x its time (BENCHMARKS.md, "Session 9"). Here the
-  step is a ``lax.while_loop`` of zero or one trip, whose carry XLA updates in
-  place: the updates take the gradients' buffer (1.00-1.05x), and a skipped
-  step (zero trips) returns the inner state untouched and zero updates.
+  their own, written while all the gradients are still live, so a training
+  step carries a gradient-sized temporary more than the plain step
+  (BENCHMARKS.md, "In-place updates"). Here the step is a ``lax.while_loop``
+  of zero or one trip, whose carry XLA updates in place: the updates take the
+  gradients' buffer, and a skipped step (zero trips) returns the inner state
+  untouched and zero updates.
   Gradients that are an input of the jitted function, not computed in it,
   are copied into the loop first.
 
   Where the inner update returns other types than it takes (structure, shapes,
   dtypes: optax's Adam widens a bfloat16 parameter's moments on its first
   update), no loop can carry them, and this is the ``lax.cond``; so it is
-  with ``in_place=False``, eagerly, and under ``vmap``. ``on_skip``,
+  when the in_place workaround is off, eagerly, and under ``vmap``. ``on_skip``,
   when given, is what a skipped step does to the inner state (torch's
   schedule counts); it must change only a few leaves and return the others as
   they are.
@@ -63,12 +63,9 @@ def apply_unless(
       raise _TypesDiffer
     return (~go, *out)  # one trip: go is True here
 
-  def conditional():
-    return lax.cond(~found_inf, apply, skip, grads, inner_state, params)
-
   # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
   # vmap its predicate is batched, and checkify cannot check a batched loop.
-  if not (in_place and enabled("in_place")) or not traced(found_inf) or is_batched(found_inf):
+  if not enabled("in_place") or not traced(found_inf) or is_batched(found_inf):
     return conditional()
   try:
     _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))

@@ -1,0 +1,212 @@
+"""One torch iteration for a tree of gradients: check, apply or skip, advance the scale.
+
+Every front-end runs its steps through this module, and no other module
+decides between applying and skipping. It is torch's ``GradScaler`` iteration
+(docs/torch_semantics.md)::
+
+  nonfinite = [not all(isfinite(g)) for g in grads]   # the still-scaled grads
+  found_inf = any(nonfinite)                          # all-reduced over axis_name
+  if found_inf:                                       # skipped: update never runs
+    updates, inner_state = zeros, inner_state         # schedules advanced, if counted
+  else:
+    unscaled = grads * inv_scale                      # torch's exact unscale
+    updates, inner_state = update(unscaled, inner_state, params)
+  core = advance(core, found_inf)                     # torch's _amp_update_scale_
+
+With several optimizers (``param_labels``), each group is skipped on its own
+inf/NaN and the scale backs off once. Compiler workarounds stay behind
+``jaxamp._xla``: this module reads as plain JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._config import LossScaleConfig
+from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
+from jaxamp._torch.core import LossScaleCore, advance
+from jaxamp._torch.groups import skipped_leaves
+from jaxamp._torch.schedules import advance_schedule_counts
+from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
+from jaxamp._xla.fma_guard import rounded_unscaled
+from jaxamp._xla.in_place import apply_unless
+
+
+class Check(NamedTuple):
+  """The check of one iteration's gradients.
+
+  Attributes:
+    nonfinite: per gradient leaf, whether it holds inf/NaN, bool ``[n_leaves]``.
+    found_inf: whether any does, bool ``[]`` (the same on every device).
+    inverse: torch's ``inv_scale`` as ``inverse_parts`` of the scale, computed
+      once, outside the branches.
+  """
+
+  nonfinite: jax.Array
+  found_inf: jax.Array
+  inverse: tuple[jax.Array, ...]
+
+
+def check(grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any) -> Check:
+  """torch's inf/NaN check of the still-scaled ``grads``, shared by every device
+  of ``config.axis_name`` (``state``, the loss-scale state, must be replicated)."""
+  if config.axis_name is None:
+    varying = sorted(set().union(*map(varying_axes, jax.tree.leaves(grads))))
+    if varying:
+      raise ValueError(
+        f"jaxamp: the gradients differ between the devices of the shard_map axes "
+        f"{varying}, but dynamic_loss_scale has no axis_name, so each device would "
+        f"skip on its own. Build it with axis_name={tuple(varying) if len(varying) > 1 else varying[0]!r}."
+      )
+  nonfinite = ~finite_leaves(grads, loss_scale, config.detect_unscale_overflow)
+  if config.axis_name is not None:
+    nonfinite = all_reduce_found_inf(nonfinite, state, config.axis_name)
+  return Check(nonfinite, jnp.any(nonfinite), inverse_parts(loss_scale))
+
+
+def unscaled(grads: Any, check: Check, loss_scale: jax.Array) -> Any:
+  """The finite ``grads`` times torch's ``inv_scale``, each value as torch
+  materialises it before the optimizer reads it."""
+  return rounded_unscaled(unscale_finite_by(grads, check.inverse), loss_scale)
+
+
+def skipped_state(inner_state: Any, schedule_counts: str) -> Any:
+  """The inner state after a skipped step: as it was, with its schedules one
+  step on when they count iterations (torch's ``LRScheduler.step()``)."""
+  return advance_schedule_counts(inner_state) if schedule_counts == "iterations" else inner_state
+
+
+def _like(value: jax.Array, template: Any) -> jax.Array:
+  """``value`` marked as varying over the same ``shard_map`` axes as ``template``."""
+  missing = tuple(sorted(varying_axes(template) - varying_axes(value)))
+  return lax.pcast(value, missing, to="varying") if missing else value
+
+
+def typed_like(value: Any, template: Any) -> Any:
+  """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance: an
+  optimizer may widen its state on its first update (optax's Adam promotes a
+  bfloat16 parameter's moments to float32 with an injected float32 rate), and
+  both branches of a step must return the same types."""
+  return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
+
+
+def with_output_types(apply: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """``apply``, and a function giving its output types for a skipped branch,
+  which must return the same: those of ``apply``'s trace when it ran first (as
+  ``lax.cond`` traces its true branch), else ``jax.eval_shape``'s. The
+  optimizer is then traced once, not twice, for the compile time."""
+  seen: list[Any] = []
+
+  def traced_apply(*operands):
+    out = apply(*operands)
+    seen.append(jax.tree.map(jax.typeof, out))
+    return out
+
+  def output_types(*operands):
+    return seen[-1] if seen else jax.eval_shape(apply, *operands)
+
+  return traced_apply, output_types
+
+
+def apply_or_skip(
+  found_inf: jax.Array | bool,
+  apply: Callable[..., Any],
+  skip: Callable[..., Any],
+  *operands: Any,
+) -> Any:
+  """``skip(*operands)`` if ``found_inf`` else ``apply(*operands)``: the one
+  conditional of every step (``found_inf`` a Python bool: the caller's branch
+  is known, and only that one runs)."""
+  if isinstance(found_inf, bool):
+    return (skip if found_inf else apply)(*operands)
+  return lax.cond(jnp.logical_not(found_inf), apply, skip, *operands)
+
+
+def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):
+  """The inner update with the groups that found inf/NaN skipped: zero updates
+  for their leaves, and their inner states as they were."""
+  updates, new_state = applied
+  update_leaves, update_def = jax.tree.flatten(updates)
+  update_leaves = [jnp.where(s, jnp.zeros_like(u), u) for s, u in zip(skipped, update_leaves)]
+  group_skipped = dict(zip(labels, skipped))
+  states = {}
+  for label, new in new_state.inner_states.items():
+    old = skipped_state(inner_state.inner_states[label], schedule_counts)
+    skip = group_skipped.get(label, jnp.zeros([], bool))
+    states[label] = jax.tree.map(lambda o, n, skip=skip: jnp.where(skip, o, n), old, new)
+  return jax.tree.unflatten(update_def, update_leaves), new_state._replace(inner_states=states)
+
+
+def keep_skipped_params(params: Any, stepped: Any, check: Check, labels: list | None) -> Any:
+  """``stepped`` with the params of every skipped group as they were (all of
+  them without groups)."""
+  if labels is None:
+    return params
+  skipped = skipped_leaves(check.nonfinite, labels)
+  leaves, treedef = jax.tree.flatten(params)
+  kept = [jnp.where(s, p, n) for s, p, n in zip(skipped, leaves, jax.tree.leaves(stepped))]
+  return jax.tree.unflatten(treedef, kept)
+
+
+def iteration(
+  core: LossScaleCore,
+  config: LossScaleConfig,
+  check: Check,
+  update: Callable[[Any, Any, Any], tuple[Any, Any]],
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  *,
+  labels: list | None = None,
+  branch: bool | None = None,
+  eager: bool = False,
+) -> tuple[tuple[Any, Any], LossScaleCore]:
+  """One torch iteration: ``((updates, inner_state), core)`` after ``update``
+  (the inner optimizer's ``update(unscaled, inner_state, params)``) is applied
+  to the unscaled ``grads``, or skipped.
+
+  ``labels`` (one per gradient leaf) skip each group on its own inf/NaN.
+  ``branch`` is the caller's found_inf when it runs this inside its own branch
+  (``apply_scaled_updates``); a skipped one then returns zeros like ``grads``
+  and the inner state untyped, for the caller to type as its applied branch. ``eager``: outside ``jit`` the caller checks the
+  skip limit after this, before it stores anything.
+  """
+
+  def unscaled_update(grads, inner_state, params):
+    return update(unscaled(grads, check, core.loss_scale), inner_state, params)
+
+  apply, output_types = with_output_types(unscaled_update)
+
+  def skip(grads, inner_state, params):
+    if labels is not None:  # only the groups whose own gradients hold inf/NaN
+      skipped = skipped_leaves(check.nonfinite, labels)
+      applied = apply(grads, inner_state, params)
+      return _skip_groups(labels, skipped, applied, inner_state, config.schedule_counts)
+    state = skipped_state(inner_state, config.schedule_counts)
+    if branch is not None:  # the caller's own skipped branch: it types its outputs
+      return jax.tree.map(jnp.zeros_like, grads), state
+    updates_type, state_type = output_types(grads, inner_state, params)
+    zeros = jax.tree.map(zeros_of_type, updates_type)
+    return typed_like(zeros, updates_type), typed_like(state, state_type)
+
+  if branch is not None or labels is not None or config.max_consecutive_skips is not None:
+    # A skipped step with labels still applies the finite groups; the skip
+    # limit's checkify cannot check an in-place loop that vmap batched.
+    found_inf = check.found_inf if branch is None else branch
+    out = apply_or_skip(found_inf, apply, skip, grads, inner_state, params)
+  else:
+    on_skip = advance_schedule_counts if config.schedule_counts == "iterations" else None
+    operands = (grads, inner_state, params)
+    out = apply_unless(
+      check.found_inf,
+      apply,
+      *operands,
+      conditional=lambda: apply_or_skip(check.found_inf, apply, skip, *operands),
+      on_skip=on_skip,
+    )
+  return out, advance(core, check.found_inf, config, eager=eager)
