@@ -498,7 +498,10 @@ def test_autocast_disabled_runs_a_region_in_float32():
   assert h.dtype == jnp.float16 and inner.dtype == jnp.float32
   expected = jnp.tanh(_hand_dot(X, W).astype(jnp.float32) @ W)
   np.testing.assert_array_equal(np.asarray(inner), np.asarray(expected))
-  assert jaxamp.autocast(f, enabled=False) is f
+  off = jaxamp.autocast(f, enabled=False)  # no enclosing autocast: f itself, in float32
+  for a, b in zip(off(W, X), f(W, X)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # -- compositions, the cast cache, errors ---------------------------------------------------
@@ -647,3 +650,169 @@ def test_nnx_module_state_updates_as_without_autocast():
   first, second = jaxamp.autocast(drop)(x), jaxamp.autocast(drop)(x)
   assert first.dtype == jnp.float16  # torch: dropout of a float16 linear output is float16
   assert not np.array_equal(np.asarray(first), np.asarray(second))  # the RNG count advanced
+
+
+# -- nested regions and type promotion, against torch live -----------------------------------
+
+
+def _bits(x):
+  """The float32 bit patterns of a JAX array or a torch tensor (halves convert exactly)."""
+  if not isinstance(x, (jax.Array, np.ndarray)):
+    x = x.float().numpy()
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _nested_torch(x, w):
+  torch = _torch()
+  out = {}
+  with torch.autocast("cpu", dtype=torch.float16):
+    out["outer"] = a = x @ w
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+      out["inner"] = x @ w
+      out["inner_of_outer"] = a @ w
+      out["inner_exp"] = a.exp()
+      out["inner_mixed"] = a + out["inner"]
+      with torch.autocast("cpu", enabled=False):
+        out["off"] = x @ w
+        out["off_mixed"] = a + x
+        out["off_half"] = a * 2.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+          out["reenabled"] = x @ w
+    with torch.autocast("cpu", enabled=False):
+      h = a.float()
+      with torch.autocast("cpu", dtype=torch.bfloat16):
+        out["in_disabled"] = h @ w
+      out["disabled"] = h @ w
+    out["after"] = x @ w
+  return out
+
+
+def _nested_jax(x, w):
+  out = {}
+  out["outer"] = a = x @ w
+
+  def inner(x, w, a):
+    b = x @ w
+
+    def off(x, w, a):
+      reenabled = jaxamp.autocast(lambda x, w: x @ w, jnp.bfloat16, policy="cpu")(x, w)
+      return {"off": x @ w, "off_mixed": a + x, "off_half": a * 2.0, "reenabled": reenabled}
+
+    return {
+      "inner": b,
+      "inner_of_outer": a @ w,
+      "inner_exp": jnp.exp(a),
+      "inner_mixed": a + b,
+      **jaxamp.autocast(off, enabled=False)(x, w, a),
+    }
+
+  out.update(jaxamp.autocast(inner, jnp.bfloat16, policy="cpu")(x, w, a))
+
+  def disabled(h):
+    inner = jaxamp.autocast(lambda h, w: h @ w, jnp.bfloat16, policy="cpu")(h, w)
+    return {"in_disabled": inner, "disabled": h @ w}
+
+  out.update(jaxamp.autocast_disabled(disabled)(a))
+  out["after"] = x @ w
+  return out
+
+
+@pytest.mark.torch
+def test_nested_autocast_innermost_region_wins_as_torch():
+  torch = _torch()
+  rng = np.random.default_rng(11)
+  x, w = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (4, 4)))
+  theirs = _nested_torch(torch.tensor(x), torch.tensor(w))
+  ours = jaxamp.autocast(_nested_jax, jnp.float16, policy="cpu")(jnp.asarray(x), jnp.asarray(w))
+  assert {k: str(v.dtype) for k, v in ours.items()} == {
+    k: str(v.dtype).removeprefix("torch.") for k, v in theirs.items()
+  }
+  for k in theirs:
+    if ours[k].dtype == jnp.float32:  # float32 matmuls sum in another order than torch's
+      np.testing.assert_allclose(
+        np.asarray(ours[k]), theirs[k].numpy(), rtol=1e-6, atol=1e-6, err_msg=k
+      )
+    else:  # half matmuls round once, from float32 sums: torch's bits
+      np.testing.assert_array_equal(_bits(ours[k]), _bits(theirs[k]), err_msg=k)
+
+
+def test_nested_autocast_of_a_jitted_autocast_function_keeps_its_policy():
+  inner = jax.jit(jaxamp.autocast(lambda x, w: x @ w, jnp.bfloat16))
+  assert inner(X, W).dtype == jnp.bfloat16  # traced here, outside any autocast: jit caches it
+  out = jaxamp.autocast(lambda x, w: (x @ w, inner(x, w)), jnp.float16)(X, W)
+  assert [o.dtype for o in out] == [jnp.float16, jnp.bfloat16]
+  np.testing.assert_array_equal(
+    np.asarray(out[1]), np.asarray(X.astype(jnp.bfloat16) @ W.astype(jnp.bfloat16))
+  )
+
+
+def test_nested_autocast_policy_is_the_inner_regions():
+  # a CUDA-policy region inside a CPU-policy function: exp on torch's CUDA float32 list
+  def f(w, x):
+    h = x @ w
+    return jnp.exp(h), jaxamp.autocast(jnp.exp)(h)
+
+  outer, inner = jaxamp.autocast(f, policy="cpu")(W, X)
+  assert (outer.dtype, inner.dtype) == (jnp.float16, jnp.float32)
+
+
+# name -> (JAX, torch) over a = x @ w (half), x (float32), m (bool), i (int32 and int64)
+PROMOTIONS = {
+  "half * bool mask": (lambda a, x, m, i: a * m, lambda a, x, m, i: a * m),
+  "half + int": (lambda a, x, m, i: a + i, lambda a, x, m, i: a + i),
+  "half - float32": (lambda a, x, m, i: a - x, lambda a, x, m, i: a - x),
+  "half * python float": (lambda a, x, m, i: a * 2.5, lambda a, x, m, i: a * 2.5),
+  "python float - half": (lambda a, x, m, i: 1.0 - a, lambda a, x, m, i: 1.0 - a),
+  "half * 0-dim float32": (lambda a, x, m, i: a * x.sum(), lambda a, x, m, i: a * x.sum()),
+  "int + 0-dim half": (lambda a, x, m, i: i + a.sum(), lambda a, x, m, i: i + a.sum()),
+  "0-dim half * python float": (lambda a, x, m, i: a.sum() * 3.0, lambda a, x, m, i: a.sum() * 3.0),
+  "where(mask, half, python float)": (
+    lambda a, x, m, i: jnp.where(m, a, 0.5),
+    lambda a, x, m, i: _torch().where(m, a, 0.5),
+  ),
+  "where(mask, half, int)": (
+    lambda a, x, m, i: jnp.where(m, a, i),
+    lambda a, x, m, i: _torch().where(m, a, i),
+  ),
+  "where(mask, half, float32)": (
+    lambda a, x, m, i: jnp.where(m, a, x),
+    lambda a, x, m, i: _torch().where(m, a, x),
+  ),
+  "where(mask, python float, python float)": (
+    lambda a, x, m, i: jnp.where(m, 0.5, 1.5),
+    lambda a, x, m, i: _torch().where(m, 0.5, 1.5),
+  ),
+  "int * python float": (lambda a, x, m, i: i * 2.5, lambda a, x, m, i: i * 2.5),
+  "float32 * bool mask": (lambda a, x, m, i: x * m, lambda a, x, m, i: x * m),
+  "maximum(half, python float)": (
+    lambda a, x, m, i: jnp.maximum(a, 0.0),
+    lambda a, x, m, i: a.clamp(min=0.0),
+  ),
+  "matmul + python float": (
+    lambda a, x, m, i: x @ x.T + 2.0,
+    lambda a, x, m, i: x @ x.T + 2.0,
+  ),
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_masks_ints_and_python_scalars_promote_as_torch(half):
+  torch = _torch()
+  rng = np.random.default_rng(12)
+  x, w = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (4, 4)))
+  m, i = rng.random((3, 4)) > 0.5, rng.integers(-3, 4, (3, 4)).astype(np.int32)
+  fns = {k: jf for k, (jf, _) in PROMOTIONS.items()}
+
+  def ours_fn(x, w, m, i):
+    a = x @ w
+    return {k: f(a, x, m, i) for k, f in fns.items()}
+
+  ours = jaxamp.autocast(ours_fn, HALVES[half], policy="cpu")(*map(jnp.asarray, (x, w, m, i)))
+  tx, tw, tm, ti = (torch.tensor(v) for v in (x, w, m, i))
+  with torch.autocast("cpu", dtype=getattr(torch, half)):
+    a = tx @ tw
+    theirs = {k: tf(a, tx, tm, ti) for k, (_, tf) in PROMOTIONS.items()}
+  for k in PROMOTIONS:
+    assert str(ours[k].dtype) == str(theirs[k].dtype).removeprefix("torch."), k
+    np.testing.assert_array_equal(_bits(ours[k]), _bits(theirs[k]), err_msg=k)

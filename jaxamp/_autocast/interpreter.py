@@ -8,9 +8,11 @@ that jaxpr in the caller's trace, casting each equation's inputs as the policy
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +21,61 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
-from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER
+from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER, POLICIES
 
-# The name scope autocast_disabled puts its function's equations in.
-DISABLED_SCOPE = "jaxamp_autocast_disabled"
+
+class Mode(NamedTuple):
+  """How a region runs its equations."""
+
+  dtype: Any  # the lower-precision dtype of matmuls and convs; None: no lower-precision list
+  fp32: frozenset[str]  # the primitives run in float32
+  as_written: bool = False  # every equation as the traced program has it
+
+
+# A region's equations carry its name scope; each equation runs by the
+# innermost one (torch: the innermost autocast context decides), and one in no
+# region by the mode of the autocast call that traced it.
+DISABLED_SCOPE = "jaxamp_autocast_disabled"  # autocast_disabled: as written, float32
+OFF_SCOPE = "jaxamp_autocast_off"  # autocast(enabled=False) inside autocast: input dtypes
+# What an autocast call emits: already cast, so an enclosing autocast runs it as
+# written (a jitted autocast function whose trace jax.jit cached before).
+APPLIED_SCOPE = "jaxamp_autocast_applied"
+
+_MODES = {
+  DISABLED_SCOPE: Mode(None, frozenset(), as_written=True),
+  APPLIED_SCOPE: Mode(None, frozenset(), as_written=True),
+  OFF_SCOPE: Mode(None, frozenset()),
+}
+
+
+def policy_scope(dtype: Any, policy: str) -> str:
+  """The name scope of an ``autocast(fn, dtype, policy=policy)`` region."""
+  return f"jaxamp_autocast_{np.dtype(dtype).name}_{policy}"
+
+
+for _half in HALF:
+  for _policy, _fp32 in POLICIES.items():
+    _MODES[policy_scope(_half, _policy)] = Mode(_half, _fp32)
+_SCOPES = re.compile("|".join(sorted(_MODES, key=len, reverse=True)))
+
+# True while an autocast call traces its function: an autocast or
+# autocast_disabled called then marks a region instead of interpreting.
+_TRACING = contextvars.ContextVar("jaxamp_autocast_tracing", default=False)
+
+
+def tracing() -> bool:
+  """Whether an enclosing ``autocast`` call is tracing its function."""
+  return _TRACING.get()
+
+
+def _region(eqn: Any, mode: Mode) -> Mode:
+  """The mode of the innermost region ``eqn`` is in; ``mode`` if none."""
+  scopes = _SCOPES.findall(str(eqn.source_info.name_stack))
+  return _MODES[scopes[-1]] if scopes else mode
+
+
+def _is_literal(x: Any) -> bool:
+  return isinstance(x, (np.ndarray, np.generic))
 
 
 def _is_float(dtype: Any) -> bool:
@@ -33,51 +86,120 @@ def _widest(dtypes: list[Any]) -> Any:
   return functools.reduce(jnp.promote_types, dtypes)
 
 
-class Interpreter:
-  """Evaluates jaxprs with the policy; one per ``autocast`` call (its cast cache)."""
+class _Trace:
+  """What the interpreters of one trace share, whatever their mode."""
 
-  def __init__(self, dtype: Any, fp32: frozenset[str]):
-    self.dtype = np.dtype(dtype)
-    self.fp32 = fp32
-    self.casts = 0  # converts of traced values this interpreter inserted
-    self._cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
+  def __init__(self) -> None:
+    self.casts = 0  # converts of traced values inserted
+    self.cache: dict[tuple[int, Any], tuple[Any, Any]] = {}
     # id -> (value, kind): "lower" for the outputs of LOWER primitives,
     # "broadcast" for values broadcast or reshaped to a higher rank (a bias),
-    # "const" for a literal broadcast to an array (promotes like a scalar).
-    self._origin: dict[int, tuple[Any, str]] = {}
+    # "zerodim" for a 0-dim value broadcast to an array, "scalar" for a Python
+    # scalar (a literal, a weak-typed value, either broadcast to an array) and
+    # "int" for a float converted from a bool or an integer: torch's type
+    # promotion ranks them below dimensioned float tensors (``_priority``).
+    self.origin: dict[int, tuple[Any, str]] = {}
     # id(output of a LOWER primitive in dtype) -> (output, primitive, params,
     # its half operands): what a bias add needs to add inside the op.
-    self._lower_ops: dict[int, tuple[Any, Any, dict[str, Any], list[Any]]] = {}
+    self.lower_ops: dict[int, tuple[Any, Any, dict[str, Any], list[Any]]] = {}
+    self.modes: dict[Mode, Interpreter] = {}
+
+
+class Interpreter:
+  """Evaluates jaxprs with a mode; one per ``autocast`` call and mode (a cast cache
+  per call)."""
+
+  def __init__(self, mode: Mode, trace: _Trace | None = None):
+    self.mode = mode
+    self.trace = _Trace() if trace is None else trace
+    self.trace.modes.setdefault(mode, self)
+
+  @property
+  def casts(self) -> int:
+    return self.trace.casts
+
+  def in_mode(self, mode: Mode) -> Interpreter:
+    """The interpreter of ``mode`` sharing this one's cast cache."""
+    return self.trace.modes.get(mode) or Interpreter(mode, self.trace)
 
   def _mark(self, x: Any, kind: str) -> Any:
-    self._origin[id(x)] = (x, kind)
+    self.trace.origin[id(x)] = (x, kind)
     return x
 
   def _kind(self, x: Any) -> str | None:
-    hit = self._origin.get(id(x))
+    hit = self.trace.origin.get(id(x))
     return hit[1] if hit is not None and hit[0] is x else None
+
+  def _category(self, x: Any, var: Any) -> str | None:
+    """What torch's type promotion would see: ``"scalar"`` (a Python number),
+    ``"int"`` (a bool or integer tensor), ``"zerodim"`` (a 0-dim float tensor)
+    or None (a dimensioned float tensor)."""
+    kind = self._kind(x)
+    if _is_literal(x) or kind == "scalar" or getattr(var.aval, "weak_type", False):
+      return "scalar"
+    if kind in ("int", "zerodim"):
+      return kind
+    return "zerodim" if np.ndim(x) == 0 else None
+
+  def _priority(self, x: Any, var: Any) -> int:
+    """torch's promotion rank: 0 a dimensioned float tensor, 1 a 0-dim one, 2 a
+    Python scalar or a float made from a bool or integer tensor (it never
+    decides the float dtype: ``half * mask`` stays half)."""
+    return {None: 0, "zerodim": 1}.get(self._category(x, var), 2)
+
+  def _target(self, eqn: Any, args: list[Any], group: list[int]) -> Any:
+    """The dtype torch's promotion gives ``args[i] for i in group``: the widest
+    of the highest rank (``_priority``)."""
+    ranks = [self._priority(args[i], eqn.invars[i]) for i in group]
+    return _widest([args[i].dtype for i, r in zip(group, ranks) if r == min(ranks)])
+
+  def _scalar_opmath(self, eqn: Any, args: list[Any]) -> Any:
+    """torch's CPU ``mul`` and ``div`` of a half tensor by a wider scalar (a
+    Python number, a 0-dim tensor; for ``div`` the divisor, for ``mul`` a 0-dim
+    tensor only second) compute in float32 and round once: they do not round
+    the scalar to the half dtype first, as the other ops do. None if ``eqn`` is
+    not one."""
+    name = eqn.primitive.name
+    if name not in ("mul", "div") or len(args) != 2 or not all(_is_float(x.dtype) for x in args):
+      return None
+    kinds = [self._category(x, v) for x, v in zip(args, eqn.invars)]
+    if kinds[1] in ("scalar", "zerodim"):
+      scalar = 1
+    elif name == "mul" and kinds[0] == "scalar":
+      scalar = 0
+    else:
+      return None
+    target = np.dtype(self._target(eqn, args, [0, 1]))
+    wide = np.dtype(args[scalar].dtype)
+    if target not in HALF or _widest([wide, target]) == target:
+      return None
+    params = dict(eqn.params)
+    if params.get("out_dtype") is not None:
+      params["out_dtype"] = wide
+    out = eqn.primitive.bind(*[self.cast(x, wide) for x in args], **params)
+    return self.cast(out, target)
 
   def _bias_add(self, args: list[Any]) -> tuple[Any, Any] | None:
     """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` broadcast to it."""
     if len(args) != 2:
       return None
     for out, b in (args, args[::-1]):
-      if self._kind(out) == "lower" and (self._kind(b) == "broadcast" or np.size(b) < np.size(out)):
+      if self._kind(out) == "lower" and self._kind(b) == "broadcast":
         return out, b
     return None
 
   def _add_inside(self, out: Any, bias: Any) -> Any:
     """``out + bias`` as torch's ``linear``/``addmm``/``conv`` compute it: the
     bias added to the float32 accumulator, the sum rounded to ``dtype`` once."""
-    hit = self._lower_ops.get(id(out))
+    hit = self.trace.lower_ops.get(id(out))
     if hit is None or hit[0] is not out or np.ndim(bias) != np.ndim(out):
       return None
     _, primitive, params, (lhs, rhs) = hit
-    return _with_bias(primitive, params, lhs, rhs, self.cast(bias, self.dtype))
+    return _with_bias(primitive, params, lhs, rhs, self.cast(bias, self.mode.dtype))
 
   def fresh(self) -> Interpreter:
-    """An interpreter with the same policy and its own cache (for a nested trace)."""
-    return Interpreter(self.dtype, self.fp32)
+    """An interpreter with the same mode and its own cache (for a nested trace)."""
+    return Interpreter(self.mode)
 
   # -- casting ------------------------------------------------------------------
 
@@ -85,15 +207,15 @@ class Interpreter:
     dtype = np.dtype(dtype)
     if np.dtype(x.dtype) == dtype:
       return x
-    if isinstance(x, (np.ndarray, np.generic)):  # a literal: a constant of the new dtype
+    if _is_literal(x):  # a constant of the new dtype
       return np.asarray(x, dtype)
     key = (id(x), dtype)
-    hit = self._cache.get(key)
+    hit = self.trace.cache.get(key)
     if hit is not None and hit[0] is x:
       return hit[1]
     y = lax.convert_element_type(x, dtype)
-    self._cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
-    self.casts += 1
+    self.trace.cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
+    self.trace.casts += 1
     return y
 
   # -- evaluation ---------------------------------------------------------------
@@ -124,8 +246,11 @@ class Interpreter:
     return eqn.primitive.bind(*args, **_bind_params(eqn))
 
   def eval_eqn(self, eqn: Any, args: list[Any]) -> Any:
+    mode = _region(eqn, self.mode)
+    if mode != self.mode:
+      return self.in_mode(mode).eval_eqn(eqn, args)
     name = eqn.primitive.name
-    if DISABLED_SCOPE in str(eqn.source_info.name_stack) or name in EXACT_DTYPE:
+    if mode.as_written or name in EXACT_DTYPE:
       return self.original(eqn, args)
     nested = _NESTED.get(name)
     if nested is not None:
@@ -133,17 +258,35 @@ class Interpreter:
     if any(isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) for p in eqn.params.values()):
       return self.original(eqn, args)  # a higher-order primitive this file does not know
     if name == "convert_element_type":
-      return eqn.primitive.bind(*args, **eqn.params)
+      return self._convert(eqn, args[0])
     if name in ("broadcast_in_dim", "reshape", "expand_dims"):
       out = self._bind(eqn, args)
       x = args[0]
-      if isinstance(x, (np.ndarray, np.generic)) or self._kind(x) == "const":
-        return self._mark(out, "const")  # jnp.zeros_like, full: no data, no promotion
+      kind = self._kind(x)
+      if _is_literal(x) or kind == "scalar" or eqn.invars[0].aval.weak_type:
+        return self._mark(out, "scalar")  # jnp.zeros_like, full, where(m, x, 0.)
+      if kind in ("int", "zerodim"):
+        return self._mark(out, kind)
+      if np.ndim(x) == 0:
+        return self._mark(out, "zerodim")  # torch keeps a 0-dim tensor 0-dim
       grows = np.ndim(x) < np.ndim(out) or np.size(x) < np.size(out)
-      return self._mark(out, "broadcast") if grows or self._kind(x) == "broadcast" else out
-    if name in LOWER:
+      return self._mark(out, "broadcast") if grows or kind == "broadcast" else out
+    if name in LOWER and mode.dtype is not None:
       return self._mark(self._bind(eqn, args), "lower")
     return self._bind(eqn, args)
+
+  def _convert(self, eqn: Any, x: Any) -> Any:
+    """``convert_element_type`` as written, keeping what promotion needs to know."""
+    new = np.dtype(eqn.params["new_dtype"])
+    if _is_literal(x):
+      return np.asarray(x, new)  # a Python scalar stays a literal
+    out = eqn.primitive.bind(x, **eqn.params)
+    if _is_float(new) and not _is_float(x.dtype):
+      return self._mark(out, "int")  # jnp's promotion of a mask or an index
+    kind = self._kind(x)
+    if eqn.invars[0].aval.weak_type:
+      kind = "scalar"
+    return self._mark(out, kind) if kind in ("scalar", "int", "zerodim") else out
 
   def _bind(self, eqn: Any, args: list[Any]) -> Any:
     """The equation with the policy: inputs cast, the primitive re-bound."""
@@ -153,35 +296,39 @@ class Interpreter:
       return eqn.primitive.bind(*args, **eqn.params)
     args = list(args)
     params = dict(eqn.params)
-    if name in LOWER:
+    dtype = self.mode.dtype
+    if name in LOWER and dtype is not None:
       if all(np.dtype(args[i].dtype) in (F32, *HALF) for i in floats):
         for i in floats:
-          args[i] = self.cast(args[i], self.dtype)
-        params["preferred_element_type"] = self.dtype
+          args[i] = self.cast(args[i], dtype)
+        params["preferred_element_type"] = dtype
         out = eqn.primitive.bind(*args, **params)
         if len(args) == 2:
-          self._lower_ops[id(out)] = (out, eqn.primitive, params, args)
+          self.trace.lower_ops[id(out)] = (out, eqn.primitive, params, args)
         return out
       return self.original(eqn, args)
-    elif name in self.fp32:
+    elif name in self.mode.fp32:
       for i in floats:
         if np.dtype(args[i].dtype) in HALF:
           args[i] = self.cast(args[i], F32)
-    elif name == "add" and (bias_add := self._bias_add(args)) is not None:
+    elif name == "add" and dtype is not None and (bias_add := self._bias_add(args)) is not None:
       # A bias added to a matmul or conv output: torch's linear, addmm and conv
       # add their bias inside the op, in the lower dtype, rounding once.
       fused = self._add_inside(*bias_add)
       if fused is not None:
         return fused
       for i in floats:
-        args[i] = self.cast(args[i], self.dtype)
+        args[i] = self.cast(args[i], dtype)
+    elif (opmath := self._scalar_opmath(eqn, args)) is not None:
+      return opmath
     else:
       self._promote(eqn, args, floats)
     now = [np.dtype(args[i].dtype) for i in floats]
     if now == [np.dtype(eqn.invars[i].aval.dtype) for i in floats]:
       return eqn.primitive.bind(*args, **params)  # nothing changed
     for key in ("out_dtype", "preferred_element_type"):
-      if name not in LOWER and params.get(key) is not None and _is_float(params[key]):
+      wide = params.get(key)
+      if (name not in LOWER or dtype is None) and wide is not None and _is_float(wide):
         params[key] = _widest(now)
     if name in ACCUMULATE_F32 and now[0] in HALF:
       out = eqn.primitive.bind(*[self.cast(a, F32) for a in args], **params)
@@ -193,21 +340,16 @@ class Interpreter:
 
   def _promote(self, eqn: Any, args: list[Any], floats: list[int]) -> None:
     """torch's type promotion among inputs the original jaxpr gave one float dtype:
-    the widest dimensioned one wins; 0-dim inputs (and literals broadcast to an
-    array) decide only if nothing else does."""
+    the widest of the highest rank (``_priority``) wins: dimensioned float
+    tensors, else 0-dim ones; Python scalars and floats made from bools or
+    integers take the others' dtype."""
     groups: dict[Any, list[int]] = {}
     for i in floats:
       groups.setdefault(np.dtype(eqn.invars[i].aval.dtype), []).append(i)
     for group in groups.values():
-      dtypes = {np.dtype(args[i].dtype) for i in group}
-      if len(dtypes) < 2:
+      if len({np.dtype(args[i].dtype) for i in group}) < 2:
         continue
-      dimensioned = [
-        np.dtype(args[i].dtype)
-        for i in group
-        if np.ndim(args[i]) > 0 and self._kind(args[i]) != "const"
-      ]
-      target = _widest(dimensioned or list(dtypes))
+      target = self._target(eqn, args, group)
       for i in group:
         args[i] = self.cast(args[i], target)
 
@@ -396,7 +538,7 @@ def is_array_leaf(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _check_outputs(fn: Callable[..., Any], out: Any) -> None:
+def check_outputs(fn: Callable[..., Any], out: Any) -> None:
   bad = [x for x in jax.tree.leaves(out) if not (is_array_leaf(x) or hasattr(x, "aval"))]
   bad = [x for x in bad if not isinstance(x, (bool, int, float, complex))]
   if bad:
@@ -407,10 +549,8 @@ def _check_outputs(fn: Callable[..., Any], out: Any) -> None:
     )
 
 
-def interpret(
-  fn: Callable[..., Any], half: Any, fp32: frozenset[str], args: Any, kwargs: Any
-) -> Any:
-  """``fn(*args, **kwargs)`` traced to a jaxpr and evaluated with the policy."""
+def interpret(fn: Callable[..., Any], mode: Mode, args: Any, kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)`` traced to a jaxpr and evaluated with ``mode``."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
   traced = [i for i, x in enumerate(leaves) if is_array_leaf(x) or hasattr(x, "aval")]
 
@@ -420,10 +560,15 @@ def interpret(
       full[i] = a
     a, kw = jax.tree.unflatten(treedef, full)
     out = fn(*a, **kw)
-    _check_outputs(fn, out)
+    check_outputs(fn, out)
     return out
 
   arrays = [leaves[i] for i in traced]
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-  outs = Interpreter(half, fp32).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
+  token = _TRACING.set(True)
+  try:
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+  finally:
+    _TRACING.reset(token)
+  with jax.named_scope(APPLIED_SCOPE):
+    outs = Interpreter(mode).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -11,7 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast.interpreter import DISABLED_SCOPE, interpret, is_array_leaf
+from jaxamp._autocast.interpreter import (
+  DISABLED_SCOPE,
+  OFF_SCOPE,
+  Mode,
+  check_outputs,
+  interpret,
+  is_array_leaf,
+  policy_scope,
+  tracing,
+)
 from jaxamp._autocast.policies import F32, HALF, POLICIES
 
 
@@ -32,11 +41,15 @@ def autocast(
   list for ``policy`` (``"cuda"``, the default: ``exp``, ``log``, ``pow``,
   ``rsqrt``, ``reduce_sum``, ...; ``"cpu"``: ``reduce_prod``, linear algebra,
   FFT) run in float32, and every other primitive runs in the dtypes its inputs
-  arrive in, mixed inputs promoted to the widest as torch promotes (0-dim
-  inputs do not promote dimensioned ones). Parameters stay float32; gradients
-  are those of the cast computation. Equations inside
-  :func:`autocast_disabled` run as written, in float32. The policy, the
-  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
+  arrive in, mixed inputs promoted as torch promotes (0-dim inputs, Python
+  scalars, bool and integer masks do not promote dimensioned float ones).
+  Parameters stay float32; gradients are those of the cast computation.
+
+  Regions nest as torch's contexts do, the innermost deciding: an ``autocast``
+  function called inside another runs with its own ``dtype`` and ``policy``,
+  one with ``enabled=False`` with autocast off, and :func:`autocast_disabled`
+  runs as written, in float32. The policy, the torch-to-primitive table and
+  what differs from torch: ``docs/autocast.md``.
 
   Args:
     fn: the function; its array arguments (leaves of any pytree) are traced,
@@ -45,7 +58,9 @@ def autocast(
       counts update).
     dtype: ``jnp.float16`` or ``jnp.bfloat16``.
     policy: ``"cuda"`` or ``"cpu"``: whose float32 list to apply.
-    enabled: ``False`` returns ``fn`` itself (torch's ``enabled=False``).
+    enabled: ``False``: ``fn`` as it is; inside another autocast function, a
+      region with autocast off (torch's ``autocast(enabled=False)``: every
+      primitive in the dtypes its inputs arrive in).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -80,21 +95,38 @@ def autocast(
       "pass enabled=False."
     )
   if not enabled:
-    return fn
-  fp32 = POLICIES[policy]
+    return _region(fn, OFF_SCOPE, fn)
+  mode = Mode(half, POLICIES[policy])
 
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(fn, nnx.Module):
-    return _module_call(nnx, fn, half, fp32)
+    return _region(fn, policy_scope(half, policy), _module_call(nnx, fn, mode))
+
+  def interpreted(*args: Any, **kwargs: Any) -> Any:
+    return interpret(fn, mode, args, kwargs)
+
+  return _region(fn, policy_scope(half, policy), interpreted)
+
+
+def _region(
+  fn: Callable[..., Any], scope: str, outermost: Callable[..., Any]
+) -> Callable[..., Any]:
+  """``outermost`` where no autocast encloses the call; inside an autocast
+  function, ``fn`` in the name scope the enclosing interpreter runs by."""
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    return interpret(fn, half, fp32, args, kwargs)
+    if not tracing():
+      return outermost(*args, **kwargs)
+    with jax.named_scope(scope):
+      out = fn(*args, **kwargs)
+    check_outputs(fn, out)
+    return out
 
   return wrapped
 
 
-def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Callable[..., Any]:
+def _module_call(nnx: Any, module: Any, mode: Mode) -> Callable[..., Any]:
   """An NNX module's call with its state passed in and returned (so BatchNorm
   statistics and Dropout's RNG counts update); the new state keeps the old
   state's dtypes (parameters stay float32)."""
@@ -106,7 +138,7 @@ def _module_call(nnx: Any, module: Any, half: Any, fp32: frozenset[str]) -> Call
       m = nnx.merge(graphdef, state)
       return m(*args, **kwargs), nnx.state(m)
 
-    out, new_state = interpret(pure, half, fp32, (state, *args), kwargs)
+    out, new_state = interpret(pure, mode, (state, *args), kwargs)
     new_state = jax.tree.map(
       lambda new, old: new.astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating) else new,
       new_state,
