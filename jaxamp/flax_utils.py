@@ -26,8 +26,8 @@ A linen step (``TrainState``)::
 ``flax_utils.apply_gradients(state, grads=grads)`` compute what
 ``optimizer.update(model, grads)`` and ``state.apply_gradients(grads=grads)``
 compute, through :func:`jaxamp.apply_scaled_updates`: the whole update in one
-branch that XLA fuses, nothing computed on a skipped step (measured in
-BENCHMARKS.md). The Flax methods work too.
+branch that XLA fuses, nothing computed on a skipped step (BENCHMARKS.md,
+"Flax"). The Flax methods work too.
 
 Read the total number of skipped updates from ``metrics["skipped_steps"]``:
 ``nnx.Optimizer.step`` and ``TrainState.step`` count every update call,

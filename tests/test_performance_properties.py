@@ -260,7 +260,7 @@ def test_optax_form_in_a_whole_step_writes_its_updates_over_the_gradients(schedu
   # gradients' buffer (a while loop's in-place carry), so its temporaries are
   # no more than apply_scaled_updates', which applies them where it computes
   # them. Behind a lax.cond they were a parameter-sized buffer more (1.13-1.22x
-  # the plain step at batch 1, BENCHMARKS.md, "Session 9").
+  # the plain step at batch 1, BENCHMARKS.md, "In-place updates").
   params = {"w1": jnp.full((384, 1536), 0.01), "w2": jnp.full((1536, 384), 0.01)}
   loss = _mlp_loss(jnp.ones((16, 384), jnp.float16))
   tx = jaxamp.dynamic_loss_scale(
@@ -375,7 +375,7 @@ def test_row_major_changes_no_value_and_keeps_the_tree():
 def test_float16_gradients_are_unscaled_without_an_integer_guard_on_cpu(front_end):
   # On XLA CPU a float16 gradient of an applied step is rounded by its own
   # convert, so no integer XOR guards it (it cost ResNet-50's tree some 10%;
-  # BENCHMARKS.md, "Session 10"); float32 gradients keep theirs.
+  # BENCHMARKS.md, "Per-platform leaves"); float32 gradients keep theirs.
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   step = _helper_step(tx) if front_end == "apply_scaled_updates" else _reference_step(tx)
   params = _params()
@@ -405,5 +405,5 @@ def test_the_optax_form_loop_carries_no_scalar_per_leaf():
   # Each leaf's unscale once compared 1 / scale with 1 itself, and XLA carried
   # every copy of that comparison through the step's loop: 649 operands for
   # ResNet-50's 161 leaves instead of 489, each one more for XLA's passes to
-  # compile (BENCHMARKS.md, "Session 11").
+  # compile (BENCHMARKS.md, "Compile time").
   assert _scalars_carried_by_the_loop(3) == _scalars_carried_by_the_loop(30)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_GROUP = 8  # same-size leaves per reduction: the fastest measured (BENCHMARKS.md)
+_GROUP = 8  # same-size leaves per reduction (BENCHMARKS.md, "Check formulations")
 
 
 def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:

@@ -40,9 +40,9 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
   XLA flushes a subnormal operand to zero, so ``g * inv_scale`` is computed as
   ``(g * high) * low``, which is torch's correctly rounded product wherever
   the result is a normal float. ``inv_scale == 1`` is torch's pass-through,
-  compared here once: compared in each leaf's unscale, XLA hoisted one copy
-  per leaf out of the optax form's loop and carried each through it
-  (BENCHMARKS.md, "Session 11")."""
+  compared here once: compared in each leaf's unscale, XLA hoists one copy
+  per leaf out of the optax form's loop and carries each through it
+  (BENCHMARKS.md, "Compile time")."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   bits = float_bits(loss_scale)
   sign = bits & ~0x7FFFFFFF
@@ -144,8 +144,8 @@ def unscale_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
 
   Inside ``jit``, compute them outside the ``lax.cond`` whose branch unscales:
   XLA would otherwise fuse their scalar arithmetic (some 60 operations) into
-  every leaf's kernel, where it runs per element (4x slower on XLA CPU for
-  leaves of many sizes; BENCHMARKS.md, "Unscale factors").
+  every leaf's kernel, where it runs per element
+  (BENCHMARKS.md, "Unscale factors").
   """
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 

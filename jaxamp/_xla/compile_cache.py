@@ -4,8 +4,7 @@ A ``lax.cond`` of fresh closures run outside ``jit`` compiles on every call;
 the front-ends call their steps through :func:`call_compiled`, so an eager
 training loop compiles each step once. Inside ``jit`` (any argument traced)
 the function is called as it is: a nested ``jax.jit`` there would only add
-its own lowering to the caller's compile time (1.5x at 200 leaves of many
-sizes; BENCHMARKS.md).
+its own lowering to the caller's compile time (BENCHMARKS.md, "Compile cache").
 """
 
 from __future__ import annotations

@@ -24,10 +24,9 @@ def row_major(grads: Any) -> Any:
 
   XLA CPU's backward pass writes a weight's gradient column-major (the layout
   its dot produces). A plain step's optimizer kernels read it so, with the
-  transposition fused into them. Behind a ``lax.cond``, XLA instead copied each
-  such gradient into row-major in a kernel of its own, and the check read it
-  strided: a whole training step of a 17M-parameter Transformer at batch 1
-  took 1.5-1.6x the plain step (BENCHMARKS.md, "Gradient layout"). Constrained,
+  transposition fused into them. Behind a ``lax.cond``, XLA instead copies each
+  such gradient into row-major in a kernel of its own, and the check reads it
+  strided (BENCHMARKS.md, "Gradient layout"). Constrained,
   each is transposed in the kernel that materialises it (where the dot's
   float32 output is rounded to the compute dtype and back), and nothing copies
   it again. It changes no value; on other platforms, and outside a trace,
