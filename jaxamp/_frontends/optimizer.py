@@ -56,6 +56,11 @@ class Optimizer:
       ``scaler.nonfinite_leaf_paths(opt)``. Not recorded for gradients whose
       tree differs from ``params``.
 
+  A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``) is a new optimizer to a
+  ``GradScaler``, as torch keys its records by ``id(optimizer)``: unscaling the
+  original does not count as unscaling the copy. (A pytree rebuilt by JAX,
+  inside ``jit``, is the same optimizer.)
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> opt = jaxamp.Optimizer(optax.sgd(0.5), {"w": jnp.array([1.0, 2.0])})
@@ -93,8 +98,8 @@ class Optimizer:
     self.grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self.params)
 
   def accumulate(self, grads: Any) -> None:
-    """Adds ``grads`` to ``self.grads`` (``None`` counts as zeros), as each
-    ``loss.backward()`` adds into ``param.grad`` in torch.
+    """Adds ``grads`` to ``self.grads`` (``None``, for the whole tree or a leaf,
+    counts as zeros), as each ``loss.backward()`` adds into ``param.grad`` in torch.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -108,7 +113,7 @@ class Optimizer:
     if self.grads is None:
       self.grads = grads
     else:
-      self.grads = jax.tree.map(jnp.add, self.grads, grads)
+      self.grads = jax.tree.map(_add, self.grads, grads, is_leaf=is_none)
 
   def updated(self, grads: Any, **extra_args: Any) -> tuple[Any, Any]:
     """The ``(params, opt_state)`` after one ``tx`` update with ``grads``.
@@ -128,6 +133,13 @@ class Optimizer:
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
     return
 
+  def __getstate__(self) -> dict[str, Any]:
+    return {k: v for k, v in self.__dict__.items() if k != "_key"}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._key = next(_KEYS)  # a copy is a new optimizer (torch: a new id())
+
   def tree_flatten(self) -> tuple[tuple, tuple]:
     return (self.params, self.opt_state, self.grads, self.nonfinite_leaves), (self.tx, self._key)
 
@@ -140,6 +152,13 @@ class Optimizer:
 
   def __repr__(self) -> str:
     return f"jaxamp.Optimizer(key={self._key}, params={jax.tree.structure(self.params)})"
+
+
+def _add(accumulated: Any, grad: Any) -> Any:
+  """One leaf of ``accumulate``: a ``None`` gradient is zeros."""
+  if accumulated is None:
+    return grad
+  return accumulated if grad is None else jnp.add(accumulated, grad)
 
 
 def updated(

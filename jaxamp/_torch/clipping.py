@@ -10,10 +10,16 @@ import optax
 
 
 def _norm(x: jax.Array, norm_type: float) -> jax.Array:
-  """``torch.linalg.vector_norm(x, norm_type)``, computed in float32 (or float64)."""
+  """``torch.linalg.vector_norm(x, norm_type)``, computed in float32 (or float64):
+  the max for inf, the min for -inf, the count of non-zeros for 0, else
+  ``sum(|x|**p)**(1/p)`` (negative p included)."""
   x = jnp.abs(x.reshape(-1).astype(jnp.promote_types(x.dtype, jnp.float32)))
   if norm_type == float("inf"):
     return jnp.max(x, initial=0.0)
+  if norm_type == float("-inf"):
+    return jnp.min(x, initial=float("inf"))
+  if norm_type == 0.0:
+    return jnp.sum(x != 0).astype(x.dtype)
   if norm_type == 2.0:
     return jnp.sqrt(jnp.sum(x * x))
   return jnp.sum(x**norm_type) ** (1.0 / norm_type)
@@ -32,7 +38,9 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
   Args:
     grads: a pytree of floating-point arrays (``None`` leaves pass through).
     max_norm: the largest total norm kept.
-    norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+    norm_type: the p of the p-norm, as torch: any float (``inf`` the max,
+      ``-inf`` the min, ``0`` the count of non-zero entries) or anything
+      ``float()`` takes (``"inf"``).
 
   Returns:
     ``(clipped_grads, total_norm)``, as torch returns the total norm.
@@ -43,6 +51,7 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
     >>> float(norm), bool(np.allclose(clipped["w"], np.array([3.0, 4.0]) / (5.0 + 1e-6)))
     (5.0, True)
   """
+  norm_type = float(norm_type)  # as torch: "inf" is the max norm
   leaves = jax.tree.leaves(grads)
   if not leaves:
     return grads, jnp.zeros([], jnp.float32)
@@ -82,6 +91,7 @@ def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.Gradien
     >>> bool(jnp.allclose(updates["w"], -jnp.array([3.0, 4.0]) / (5.0 + 1e-6)))
     True
   """
+  norm_type = float(norm_type)  # as clip_grad_norm; a bad value fails here, not in the step
 
   def init_fn(params):
     del params
