@@ -1,5 +1,9 @@
 """``jaxamp.GradScaler``: torch's loops ported line by line, its state machine and errors."""
 
+import copy
+import pickle
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -809,3 +813,150 @@ def test_grad_scaler_captured_by_a_jitted_function_raises_and_changes_nothing(me
     .startswith(f"jaxamp: GradScaler.{method}() ran inside a traced function on a scaler captured")
   )
   assert (scaler.state_dict(), dict(scaler._states), bits(scaler)) == before
+
+
+# -- copies and pickles (docs/torch_semantics.md §1.10) ------------------------------
+
+E23 = (
+  "A GradScaler instance may only be pickled at the beginning of an iteration, or at the "
+  "end after scaler.update()."
+)
+COPIES = {
+  "deepcopy": copy.deepcopy,
+  "copy": copy.copy,
+  "pickle": lambda x: pickle.loads(pickle.dumps(x)),
+}
+
+
+def _sgd_init(params):
+  return optax.EmptyState()
+
+
+def _sgd_update(updates, state, params=None):
+  return jax.tree.map(lambda g: -0.5 * g, updates), state
+
+
+# Module-level functions, so that the transformation (and an Optimizer) pickles.
+PICKLABLE_SGD = optax.GradientTransformation(_sgd_init, _sgd_update)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])  # torch's copy.copy shares params
+def test_grad_scaler_step_on_a_copied_optimizer_unscales_it_matches_torch(how):
+  """A copy is a new optimizer, as torch keys by id(optimizer): unscale_(a) does not
+  unscale the copy, whose step unscales its own grads (it shared a's key and applied
+  them still scaled)."""
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  a = jaxamp.Optimizer(PICKLABLE_SGD, {"w": jnp.array([1.0, 2.0])})
+  a.grads = {"w": jnp.array([4.0, 8.0])}
+  b = COPIES[how](a)
+  scaler.scale(jnp.float32(1.0))
+  scaler.unscale_(a)
+  scaler.step(b)
+  scaler.step(a)
+  scaler.update()
+
+  t_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+  t_a = torch.optim.SGD([torch.nn.Parameter(torch.tensor([1.0, 2.0]))], lr=0.5)
+  t_b = COPIES[how](t_a)
+  for opt in (t_a, t_b):
+    opt.param_groups[0]["params"][0].grad = torch.tensor([4.0, 8.0])
+  t_scaler.scale(torch.tensor(1.0))
+  t_scaler.unscale_(t_a)
+  t_scaler.step(t_b)
+  t_scaler.step(t_a)
+  t_scaler.update()
+
+  for opt, t_opt in ((a, t_a), (b, t_b)):
+    want = t_opt.param_groups[0]["params"][0].detach().numpy()
+    assert bits(opt.params["w"]) == bits(want)
+  np.testing.assert_array_equal(np.asarray(b.params["w"]), [0.5, 1.0])  # 1 - 0.5 * 4/4
+
+
+def test_optimizer_shallow_copy_is_a_new_optimizer():
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  a = jaxamp.Optimizer(optax.sgd(0.5), {"w": jnp.array([1.0, 2.0])})
+  a.grads = {"w": jnp.array([4.0, 8.0])}
+  b = copy.copy(a)
+  scaler.scale(jnp.float32(1.0))
+  scaler.unscale_(a)
+  scaler.step(b)
+  np.testing.assert_array_equal(np.asarray(b.params["w"]), [0.5, 1.0])
+  np.testing.assert_array_equal(np.asarray(a.params["w"]), [1.0, 2.0])
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+@pytest.mark.parametrize("stage", ["unscale_", "step"])
+def test_grad_scaler_copy_with_recorded_optimizers_raises_e23_and_changes_nothing(how, stage):
+  """As torch: the records name optimizers by identity, which a copy cannot keep."""
+  scaler, opt = _fresh()
+  scaler.scale(jnp.float32(1.0))
+  opt.grads = {"w": jnp.ones(2)}
+  getattr(scaler, stage)(opt)
+  before = _snapshot(scaler, opt)
+  with pytest.raises(RuntimeError) as info:
+    COPIES[how](scaler)
+  assert str(info.value).startswith(E23)
+  assert _snapshot(scaler, opt) == before
+
+  t_scaler = torch.amp.GradScaler("cpu")
+  t_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5)
+  t_opt.param_groups[0]["params"][0].grad = torch.ones(2)
+  t_scaler.scale(torch.tensor(1.0))
+  getattr(t_scaler, stage)(t_opt)
+  with pytest.raises(AssertionError, match=re.escape(E23)):
+    COPIES[how](t_scaler)
+  scaler.update()
+  COPIES[how](scaler)  # after update(), as torch
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_grad_scaler_copy_starts_before_scale_at_the_current_scale_matches_torch(how):
+  """torch's copy re-creates its scale at its next scale(): E6 until then."""
+  scaler, opt = _fresh(init_scale=3.0, growth_interval=1)
+  t_scaler = torch.amp.GradScaler("cpu", init_scale=3.0, growth_interval=1)
+  for s, loss in ((scaler, jnp.float32(1.0)), (t_scaler, torch.tensor(1.0))):
+    s.scale(loss)
+  opt.grads = {"w": jnp.ones(2)}
+  scaler.step(opt)
+  scaler.update()
+  t_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5)
+  t_opt.param_groups[0]["params"][0].grad = torch.ones(2)
+  t_scaler.step(t_opt)
+  t_scaler.update()
+  scaler.scale(jnp.float32(1.0))
+  t_scaler.scale(torch.tensor(1.0))
+
+  copied, t_copied = COPIES[how](scaler), COPIES[how](t_scaler)
+  assert t_copied._scale is None and not copied._scaled
+  assert copied.state_dict() == t_copied.state_dict() == {**t_scaler.state_dict()}
+  assert copied.get_scale() == t_copied.get_scale() == 6.0
+  with pytest.raises(RuntimeError, match=re.escape(E6.format("unscale_"))):
+    copied.unscale_(opt)
+  with pytest.raises(AssertionError, match=re.escape(E6.format("unscale_"))):
+    t_copied.unscale_(t_opt)
+  copied.scale(jnp.float32(1.0))
+  copied.step(opt)
+  copied.update()
+  assert copied.get_scale() == 12.0
+  assert scaler.get_scale() == 6.0  # the original is its own scaler
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_disabled_grad_scaler_copy_keeps_its_unset_hyperparameters_matches_torch(how):
+  """A disabled scaler's copy had a placeholder for growth_factor (returned it)."""
+  scaler = jaxamp.GradScaler(enabled=False)
+  t_scaler = torch.amp.GradScaler("cpu", enabled=False)
+  copied, t_copied = COPIES[how](scaler), COPIES[how](t_scaler)
+  for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+    with pytest.raises(AttributeError) as info:
+      getattr(copied, getter)()
+    with pytest.raises(AttributeError) as t_info:
+      getattr(t_copied, getter)()
+    assert str(info.value) == str(t_info.value)
+  scaler.set_growth_factor(3.0)
+  t_scaler.set_growth_factor(3.0)
+  assert COPIES[how](scaler).get_growth_factor() == COPIES[how](t_scaler).get_growth_factor() == 3.0

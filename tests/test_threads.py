@@ -10,6 +10,8 @@ threads, and every iteration that completed (all of the other thread's) counts.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 import sys
 import threading
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxamp
 
@@ -124,3 +127,92 @@ def test_scaler_built_in_one_thread_and_used_in_another():
   worker.join()
   assert not errors, errors
   assert int(scaler.update_count) == 20
+
+
+def _in_thread(fn):
+  """Runs ``fn`` in a new thread to its end; returns the error it raised, or None."""
+  errors = []
+
+  def target():
+    try:
+      fn()
+    except Exception as error:  # noqa: BLE001 (returned to the test)
+      errors.append(error)
+
+  thread = threading.Thread(target=target)
+  thread.start()
+  thread.join()
+  return errors[0] if errors else None
+
+
+class UserError(Exception):
+  pass
+
+
+def test_worker_that_raised_mid_iteration_does_not_lock_the_scaler():
+  """The worker's iteration was left open (scale, unscale_, then its own code raised);
+  the thread has ended, so the main thread continues, from the stages the worker left,
+  as torch (step uses the found_inf its unscale_ recorded). Before, every call from any
+  other thread was refused for good."""
+  scaler, opt = _scaler(), _optimizer()
+
+  def abandoned():
+    opt.grads = jax.grad(lambda p: scaler.scale(_loss(p)))(opt.params)
+    scaler.unscale_(opt)
+    raise UserError("the user's code")
+
+  assert isinstance(_in_thread(abandoned), UserError)
+  scaler.step(opt)
+  scaler.update()
+  assert int(scaler.update_count) == 1
+  # The next iteration, in the main thread, then from another thread, as usual.
+  _iterations(scaler, opt, 1, errors := [])
+  assert _in_thread(lambda: _iterations(scaler, opt, 1, errors)) is None
+  assert not errors
+  assert int(scaler.update_count) == 3
+
+
+def test_live_thread_in_an_iteration_still_refuses_another():
+  scaler, opt = _scaler(), _optimizer()
+  scaler.scale(jnp.float32(1.0))  # the main thread is in an iteration
+  error = _in_thread(lambda: scaler.scale(jnp.float32(1.0)))
+  assert isinstance(error, RuntimeError)
+  assert TWO_THREADS.search(str(error).splitlines()[0]), error
+  opt.grads = {"w": jnp.ones(3)}
+  scaler.step(opt)
+  scaler.update()  # ends it: another thread may now run one
+  errors = []
+  assert _in_thread(lambda: _iterations(scaler, opt, 1, errors)) is None
+  assert not errors
+
+
+def test_refused_call_does_not_claim_the_scaler():
+  """unscale_ before any scale() raises E6 and changes nothing, its claim included:
+  another thread can still run an iteration (it was refused for good)."""
+  scaler, opt = _scaler(), _optimizer()
+  try:
+    scaler.unscale_(opt)
+  except RuntimeError as error:
+    assert str(error).startswith("Attempted unscale_ but _scale is None.")
+  else:
+    raise AssertionError("unscale_ before scale() did not raise")
+  errors = []
+  _in_thread(lambda: _iterations(scaler, opt, 1, errors))
+  assert not errors
+  assert int(scaler.update_count) == 1
+
+
+@pytest.mark.parametrize(
+  "how",
+  [copy.copy, copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))],
+  ids=["copy", "deepcopy", "pickle"],
+)
+def test_copy_of_a_scaler_taken_mid_iteration_is_usable_from_another_thread(how):
+  """A copy or a pickle taken after scale() starts unowned (it remembered the owner
+  and refused every other thread for good)."""
+  scaler, opt = _scaler(), _optimizer()
+  scaler.scale(jnp.float32(1.0))
+  copied, errors = how(scaler), []
+  assert _in_thread(lambda: _iterations(copied, opt, 2, errors)) is None
+  assert not errors
+  assert int(copied.update_count) == 2
