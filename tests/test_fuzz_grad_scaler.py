@@ -10,7 +10,7 @@ raising in the middle. After every call: the same calls succeed or fail with the
 exception family (torch's asserts are jaxamp's ``RuntimeError``); the same scale bits,
 growth tracker, per-optimizer stages and gradients; parameters within float32
 rounding; and a call jaxamp refuses changes nothing. The deliberate differences it
-maps are in docs/torch_semantics.md (§1.5, §1.6, §2, "Copies, pickles and threads").
+maps are in docs/torch_semantics.md (§1.4, §1.6, §1.10, §1.13).
 """
 
 from __future__ import annotations
@@ -334,9 +334,8 @@ class GradScalerMachine(RuleBasedStateMachine):
       lambda: self.torch_opts[i].zero_grad(set_to_none=set_to_none),
     )
     if not set_to_none:
-      # Deliberate difference (docs/torch_semantics.md, "Copies, pickles and
-      # threads"): jaxamp zeroes every gradient (one pytree structure), torch keeps a
-      # None gradient None.
+      # Deliberate difference (docs/torch_semantics.md §1.13): jaxamp zeroes every
+      # gradient (one pytree structure), torch keeps a None gradient None.
       for p in self.torch_params(i):
         if p.grad is None:
           p.grad = torch.zeros_like(p)
@@ -385,8 +384,8 @@ class GradScalerMachine(RuleBasedStateMachine):
     before = self.snapshot()
     jax_out = Outcome(lambda: self.jax_scaler.step(self.jax_opts[i], **kwargs))
     if isinstance(jax_out.error, ValueError) and NONE_GRADIENT in str(jax_out.error):
-      # Deliberate difference: an optax update needs every gradient, so jaxamp refuses
-      # a step with a None gradient where torch steps the other parameters (if any).
+      # Deliberate difference (§1.13): an optax update needs every gradient, so jaxamp
+      # refuses a step with a None gradient where torch steps the other parameters.
       assert missing, jax_out.error
       assert self.snapshot() == before
       return
@@ -485,8 +484,8 @@ class GradScalerMachine(RuleBasedStateMachine):
     # could otherwise reuse, taking over the original's stage.
     self.replaced.append(self.torch_opts[i])
     self.jax_opts[i], self.torch_opts[i] = jax_out.value, torch_out.value
-    # Deliberate difference: torch's Parameter.__deepcopy__ drops .grad, jaxamp's copy
-    # keeps opt.grads (the handle's own value); give torch's copy the same gradients.
+    # Deliberate difference (§1.13): torch's Parameter.__deepcopy__ drops .grad,
+    # jaxamp's copy keeps opt.grads; give torch's copy the same gradients.
     for original, copied in zip(originals, self.torch_params(i)):
       copied.grad = None if original.grad is None else original.grad.clone()
 
