@@ -756,6 +756,19 @@ def test_nested_autocast_policy_is_the_inner_regions():
   assert (outer.dtype, inner.dtype) == (jnp.float16, jnp.float32)
 
 
+def test_numpy_arrays_promote_as_tensors_not_as_scalars():
+  # a NumPy array, passed in or closed over, is a dimensioned float32 tensor to
+  # torch's promotion (a half times it is float32); a Python scalar is not
+  y = np.ones((3, 4), np.float32)
+  out = jaxamp.autocast(
+    lambda w, x, y: ((x @ w) * y, (x @ w) * Y_CLOSED, (x @ w) * 2.0), policy="cpu"
+  )(W, X, y)
+  assert [o.dtype for o in out] == [jnp.float32, jnp.float32, jnp.float16]
+
+
+Y_CLOSED = np.full((3, 4), 0.5, np.float32)
+
+
 # name -> (JAX, torch) over a = x @ w (half), x (float32), m (bool), i (int32 and int64)
 PROMOTIONS = {
   "half * bool mask": (lambda a, x, m, i: a * m, lambda a, x, m, i: a * m),

@@ -135,7 +135,7 @@ class Interpreter:
     ``"int"`` (a bool or integer tensor), ``"zerodim"`` (a 0-dim float tensor)
     or None (a dimensioned float tensor)."""
     kind = self._kind(x)
-    if _is_literal(x) or kind == "scalar" or getattr(var.aval, "weak_type", False):
+    if kind == "scalar" or getattr(var.aval, "weak_type", False):
       return "scalar"
     if kind in ("int", "zerodim"):
       return kind
@@ -207,8 +207,9 @@ class Interpreter:
     dtype = np.dtype(dtype)
     if np.dtype(x.dtype) == dtype:
       return x
-    if _is_literal(x):  # a constant of the new dtype
-      return np.asarray(x, dtype)
+    if _is_literal(x):  # a NumPy constant: one of the new dtype, of the same kind
+      y, kind = np.asarray(x, dtype), self._kind(x)
+      return self._mark(y, kind) if kind else y
     key = (id(x), dtype)
     hit = self.trace.cache.get(key)
     if hit is not None and hit[0] is x:
@@ -224,8 +225,8 @@ class Interpreter:
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-      if isinstance(v, jex_core.Literal):
-        return np.asarray(v.val, getattr(v.aval, "dtype", None))
+      if isinstance(v, jex_core.Literal):  # a scalar constant: a Python scalar to torch
+        return self._mark(np.asarray(v.val, getattr(v.aval, "dtype", None)), "scalar")
       return env[v]
 
     for v, x in zip(jaxpr.constvars, consts):
@@ -263,7 +264,7 @@ class Interpreter:
       out = self._bind(eqn, args)
       x = args[0]
       kind = self._kind(x)
-      if _is_literal(x) or kind == "scalar" or eqn.invars[0].aval.weak_type:
+      if kind == "scalar" or eqn.invars[0].aval.weak_type:
         return self._mark(out, "scalar")  # jnp.zeros_like, full, where(m, x, 0.)
       if kind in ("int", "zerodim"):
         return self._mark(out, kind)
@@ -278,9 +279,8 @@ class Interpreter:
   def _convert(self, eqn: Any, x: Any) -> Any:
     """``convert_element_type`` as written, keeping what promotion needs to know."""
     new = np.dtype(eqn.params["new_dtype"])
-    if _is_literal(x):
-      return np.asarray(x, new)  # a Python scalar stays a literal
-    out = eqn.primitive.bind(x, **eqn.params)
+    # a NumPy constant (a literal: a Python scalar) stays one
+    out = np.asarray(x, new) if _is_literal(x) else eqn.primitive.bind(x, **eqn.params)
     if _is_float(new) and not _is_float(x.dtype):
       return self._mark(out, "int")  # jnp's promotion of a mask or an index
     kind = self._kind(x)
