@@ -571,6 +571,11 @@ class GradScalerMachine(RuleBasedStateMachine):
     assert js._get_growth_tracker() == ts._get_growth_tracker()
     if js.is_enabled():
       assert js._scaled == (ts._scale is not None)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+      jax_out = Outcome(getattr(js, getter))
+      torch_out = Outcome(getattr(ts, getter))
+      self.compare(jax_out, torch_out)
+      assert jax_out.value == torch_out.value, (getter, jax_out.value, torch_out.value)
     for i, (jo, to) in enumerate(zip(self.jax_opts, self.torch_opts)):
       jax_stage, torch_stage = _stage(js, jo, ts, to)
       assert jax_stage == torch_stage, (i, jax_stage, torch_stage)
