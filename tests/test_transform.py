@@ -219,7 +219,7 @@ def test_dynamic_loss_scale_multisteps_keeps_scale_within_window():
   micro_grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
   for step in range(2):
     for g in micro_grads:
-      scale = jaxamp.get_loss_scale(state)
+      scale = jaxamp.ops.find_loss_scale_state(state).loss_scale  # get_loss_scale refuses
       seen_scales.append(float(scale))
       updates, state = update(g * scale, state, params)
       params = optax.apply_updates(params, updates)
@@ -235,7 +235,8 @@ def test_dynamic_loss_scale_multisteps_inf_in_one_micro_step_skips_the_window():
   for g in (jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 1.0])):
     updates, state = jax.jit(tx.update)(g, state, params)
     params = optax.apply_updates(params, updates)
-  assert params.tolist() == [0.0, 0.0] and float(jaxamp.get_loss_scale(state)) == 2.0
+  assert params.tolist() == [0.0, 0.0]
+  assert float(jaxamp.ops.find_loss_scale_state(state).loss_scale) == 2.0
 
 
 def test_dynamic_loss_scale_with_nnx_optimizer():
@@ -286,10 +287,10 @@ def test_get_loss_scale_finds_state_anywhere():
   inner = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=512.0)
   holders = [
     inner,
-    optax.chain(optax.add_decayed_weights(1e-4), inner),
+    optax.chain(inner, optax.add_decayed_weights(1e-4)),
     optax.multi_transform({"a": inner, "b": optax.set_to_zero()}, {"w": "a", "b": "b"}),
     optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(optax.sgd(0.1), init_scale=512.0),
-    optax.MultiSteps(inner, 4),
+    jaxamp.accumulate_gradients(inner, 4),
   ]
   for tx in holders:
     assert float(jaxamp.get_loss_scale(tx.init(PARAMS))) == 512.0

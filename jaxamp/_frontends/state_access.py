@@ -33,7 +33,9 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
 
   It may sit anywhere: bare, in ``optax.chain``, ``optax.multi_transform``,
   ``optax.inject_hyperparams``, ``optax.MultiSteps``, a ``flax.nnx.Optimizer``
-  (its fields are then ``nnx`` variables) or a ``TrainState``.
+  (its fields are then ``nnx`` variables) or a ``TrainState``. It reads any
+  of these; :func:`jaxamp.get_loss_scale` and :func:`jaxamp.scale_loss` also
+  refuse the placements where the scaler does not see the gradients as given.
 
   Raises:
     ValueError: there is no jaxamp state, or more than one.
@@ -53,6 +55,63 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
   return found[0]
 
 
+_IN_FRONT = (
+  "jaxamp: a transformation is chained in front of dynamic_loss_scale, so it sees "
+  "the scaled gradients (optax.clip_by_global_norm there would clip the gradients "
+  "times the loss scale). Chain it inside instead: "
+  "jaxamp.dynamic_loss_scale(optax.chain(transformation, optimizer))."
+)
+_MULTI_STEPS = (
+  "jaxamp: optax.MultiSteps is around dynamic_loss_scale; after the first overflow "
+  "its reset (0 * inf = NaN) skips every later window while the scale falls to 0. "
+  "Accumulate with jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner), k) "
+  "instead, as torch accumulates."
+)
+_STACKED = (
+  "jaxamp: a dynamic_loss_scale is wrapped inside another, so the gradients would be "
+  "unscaled by both scales. Wrap the optimizer in one dynamic_loss_scale only."
+)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+  """``node``'s children, one pytree level down, with their keys."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+  return [(path[0], child) for path, child in flat if path]
+
+
+def check_placement(opt_state: Any) -> None:
+  """Raises ValueError unless the one jaxamp state in ``opt_state`` belongs to a
+  ``dynamic_loss_scale`` that receives the gradients of the scaled loss as given.
+
+  Refused: a transformation chained in front of it (``optax.chain(clip,
+  dynamic_loss_scale(sgd))``: the clip would see scaled gradients),
+  ``optax.MultiSteps`` around it (use :func:`jaxamp.accumulate_gradients`), and a
+  ``dynamic_loss_scale`` inside another (unscaled twice). Anything may come after
+  it in a chain, and ``optax.inject_hyperparams``, ``optax.multi_transform`` and
+  :func:`jaxamp.accumulate_gradients` may hold it. Reads only the state's
+  structure: it works on traced states and costs no device work.
+
+  Raises:
+    ValueError: as :func:`find_loss_scale_state`, or the placement is refused.
+  """
+  root = opt_state_of(opt_state)
+  flat, _ = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_loss_scale_state)
+  paths = [path for path, node in flat if is_loss_scale_state(node)]
+  if len(paths) != 1:
+    find_loss_scale_state(opt_state)  # raises its error: none, or several
+    return
+  node = root
+  for key in paths[0]:
+    if isinstance(node, optax.MultiStepsState):
+      raise ValueError(_MULTI_STEPS)  # noqa: TRY004  (a layout, not a type, is wrong)
+    if type(node) is tuple and getattr(key, "idx", 0) > 0:  # optax.chain's state
+      raise ValueError(_IN_FRONT)
+    node = dict(_children(node))[key]
+  inner = jax.tree.leaves(node.inner_state, is_leaf=is_loss_scale_state)
+  if any(is_loss_scale_state(x) for x in inner):
+    raise ValueError(_STACKED)
+
+
 def field_array(field: Any) -> jax.Array:
   """The array in a state field, unwrapping an ``nnx`` variable if present."""
   (leaf,) = jax.tree.leaves(field)
@@ -68,8 +127,23 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
     ...     optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1)), init_scale=1024.0)
     >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(3)})))
     1024.0
+
+  Outside ``jit`` it returns a copy, which a later step that donates the state
+  does not delete; inside ``jit``, the traced value itself.
+
+  Raises:
+    ValueError: there is no jaxamp state or more than one, or it does not see
+      the gradients of the scaled loss as given (see :func:`check_placement`).
   """
-  return field_array(find_loss_scale_state(opt_state).loss_scale)
+  check_placement(opt_state)
+  scale = field_array(find_loss_scale_state(opt_state).loss_scale)
+  if isinstance(scale, jax.core.Tracer):
+    return scale
+  # Outside jit, a copy: the state's own buffer dies with a step that donates it.
+  # Inside jit a concrete (captured) scale stays as it is, a constant, which
+  # flax_utils checks for; the copy's tracer is dead code there.
+  copied = jnp.array(scale, copy=True)
+  return scale if isinstance(copied, jax.core.Tracer) else copied
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:

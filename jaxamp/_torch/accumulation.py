@@ -41,7 +41,10 @@ def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
 
 
 def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
-  return state.mini_step == every_k - 1
+  """Whether this call is its window's last: ``>=``, not ``==``, so that a state
+  saved mid-window by a longer window (``every_k=4`` resumed with ``every_k=2``)
+  ends its window on the next call instead of counting past it forever."""
+  return state.mini_step >= every_k - 1
 
 
 def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
@@ -66,6 +69,9 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
   averages (a torch loop divides its loss by ``iters_to_accumulate``), and it
   resets with zeros, where ``MultiSteps``' ``0 * acc`` turns an inf into a NaN
   that poisons every later window. Calls within a window return zero updates.
+  A state saved mid-window and restored into a shorter window (a smaller
+  ``every_k``) that it has already filled ends its window on the next call,
+  on the sum so far.
 
   Args:
     inner: the transformation run once per window on the summed gradients.

@@ -51,11 +51,12 @@ def int32_array(value: Any) -> jax.Array:
 
 def init_core(config: LossScaleConfig) -> LossScaleCore:
   """The core before the first update: ``init_scale`` (1 when disabled), zero counters."""
-  # A fresh array per field: a state donated to jit must hold no buffer twice.
+  # A fresh array per field: a state donated to jit must hold no buffer twice
+  # (copies: an injected init_scale or hysteresis is the hyperparameter's own array).
   return LossScaleCore(
-    loss_scale=scale_array(config.init_scale if config.enabled else 1.0),
+    loss_scale=jnp.array(scale_array(config.init_scale if config.enabled else 1.0), copy=True),
     growth_tracker=int32_array(0),
-    hysteresis_tracker=int32_array(config.hysteresis),
+    hysteresis_tracker=jnp.array(int32_array(config.hysteresis), copy=True),
     found_inf=jnp.zeros([], bool),
     update_count=int32_array(0),
     skipped_steps=int32_array(0),

@@ -1,0 +1,70 @@
+"""``jaxamp.accumulate_gradients``: windows, and states restored into another window."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import bits
+
+import jaxamp
+
+PARAMS = {"w": jnp.ones(3)}
+
+
+def _tx(every_k):
+  return jaxamp.accumulate_gradients(
+    jaxamp.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0), every_k
+  )
+
+
+def _step(front_end, tx, jit):
+  if front_end == "optax":
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+  else:
+
+    def step(params, state, grads):
+      return jaxamp.apply_scaled_updates(tx, grads, state, params)
+
+  return jax.jit(step) if jit else step
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("front_end", ["optax", "apply_scaled_updates"])
+def test_accumulate_gradients_state_saved_mid_window_resumes_in_a_shorter_window(front_end, jit):
+  """A state saved after 3 calls of a 4-call window, restored into every_k=2:
+  the next call ends the window on the sum so far (4 micro-batches), and the
+  windows after it are every_k=2 windows. (It used to count past the window
+  and never apply an update again, silently.)"""
+  grads = [{"w": jnp.full(3, 4.0 * (i + 1))} for i in range(9)]  # scaled by 4
+  params, state = PARAMS, _tx(4).init(PARAMS)
+  step4, step2 = _step(front_end, _tx(4), jit), _step(front_end, _tx(2), jit)
+  for g in grads[:3]:
+    params, state = step4(params, state, g)
+  assert int(state.mini_step) == 3 and bits(params) == bits(PARAMS)
+  seen = []
+  for g in grads[3:]:
+    params, state = step2(params, state, g)
+    seen.append(np.asarray(params["w"]).tolist())
+  # sgd(0.5) on the unscaled sums: (1+2+3+4), then (5+6), (7+8); the 9th opens a window.
+  want = [-4.0, -4.0, -9.5, -9.5, -17.0, -17.0]
+  assert seen == [[w] * 3 for w in want]
+  assert int(state.mini_step) == 1
+
+
+def test_accumulate_gradients_state_restored_into_a_longer_window_keeps_counting():
+  """The other way (every_k=2 saved mid-window, every_k=4 resumed) needs nothing:
+  the window ends after its 4th micro-batch."""
+  tx2, tx4 = _tx(2), _tx(4)
+  state = tx2.init(PARAMS)
+  ones = {"w": jnp.full(3, 4.0)}
+  _, state = tx2.update(ones, state, PARAMS)
+  outs = []
+  for _ in range(3):
+    updates, state = tx4.update(ones, state, PARAMS)
+    outs.append(float(updates["w"][0]))
+  assert outs == [0.0, 0.0, -0.5 * 4.0]
