@@ -682,6 +682,7 @@ def _nested_torch(x, w):
       h = a.float()
       with torch.autocast("cpu", dtype=torch.bfloat16):
         out["in_disabled"] = h @ w
+        out["in_disabled_softmax"] = torch.softmax(h, -1)
       out["disabled"] = h @ w
     out["after"] = x @ w
   return out
@@ -709,8 +710,9 @@ def _nested_jax(x, w):
   out.update(jaxamp.autocast(inner, jnp.bfloat16, policy="cpu")(x, w, a))
 
   def disabled(h):
-    inner = jaxamp.autocast(lambda h, w: h @ w, jnp.bfloat16, policy="cpu")(h, w)
-    return {"in_disabled": inner, "disabled": h @ w}
+    inner = jaxamp.autocast(lambda h, w: (h @ w, jax.nn.softmax(h, -1)), jnp.bfloat16, policy="cpu")
+    matmul, softmax = inner(h, w)
+    return {"in_disabled": matmul, "in_disabled_softmax": softmax, "disabled": h @ w}
 
   out.update(jaxamp.autocast_disabled(disabled)(a))
   out["after"] = x @ w

@@ -168,13 +168,21 @@ def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    def up(x: Any) -> Any:
-      if (is_array_leaf(x) or hasattr(x, "aval")) and np.dtype(x.dtype) in HALF:
-        return jnp.asarray(x).astype(F32)
-      return x
-
-    args, kwargs = jax.tree.map(up, (args, kwargs))
     with jax.named_scope(DISABLED_SCOPE):
+      args, kwargs = jax.tree.map(_to_float32, (args, kwargs))
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def _to_float32(x: Any) -> Any:
+  if not (is_array_leaf(x) or hasattr(x, "aval")) or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  if np.dtype(x.dtype) in HALF:
+    return jnp.asarray(x).astype(F32)
+  if tracing():
+    # Traced in float32, x may arrive half when the enclosing autocast runs: a
+    # copy is an equation of this region, run as written, that is, in float32
+    # (an autocast region nested in this one then reads float32, as in torch).
+    return jnp.copy(x)
+  return x
