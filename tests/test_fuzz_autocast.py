@@ -89,9 +89,10 @@ _swish.defvjp(_swish_fwd, _swish_bwd)
 def _j_conv(x, k, kb, n):
   spatial = "H" if n == 1 else "HW"
   shape = (1, 4, D) if n == 1 else (1, 2, 4, 4)
+  dtype = jnp.result_type(x, k)  # lax does not promote; Flax's Conv promotes so
   out = lax.conv_general_dilated(
-    x.reshape(shape),
-    k,
+    x.reshape(shape).astype(dtype),
+    k.astype(dtype),
     (1,) * n,
     [(1, 1)] * n,
     dimension_numbers=("NC" + spatial, "OI" + spatial, "NC" + spatial),

@@ -170,8 +170,8 @@ class Interpreter:
     else:
       return None
     target = np.dtype(self._target(eqn, args, [0, 1]))
-    wide = np.dtype(args[scalar].dtype)
-    if target not in HALF or _widest([wide, target]) == target:
+    wide = np.dtype(_widest([args[scalar].dtype, target]))  # holds both exactly
+    if target not in HALF or wide == target:
       return None
     params = dict(eqn.params)
     if params.get("out_dtype") is not None:
