@@ -35,6 +35,11 @@ class _Injected:
   def __repr__(self) -> str:
     return "<injected>"
 
+  def __reduce__(self) -> str:
+    # The one instance, also in a deep copy or a pickle of a state: a state's
+    # configuration is compared with its transformation's by this identity.
+    return "INJECTED"
+
 
 INJECTED = _Injected()
 

@@ -1,6 +1,9 @@
 """Reading the scale from an optimizer state: ``get_loss_scale``, ``scale_loss`` and
 the placements of ``dynamic_loss_scale`` they refuse (issue #30)."""
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -168,3 +171,17 @@ def test_injected_scaler_init_state_can_be_donated():
   donating = jax.jit(step, donate_argnums=(0, 1))
   _, state = donating(jax.tree.map(jnp.copy, PARAMS), state, jax.tree.map(jnp.ones_like, PARAMS))
   assert float(jaxamp.get_loss_scale(state)) == 8.0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_injected_scaler_state_copy_is_accepted_by_its_transformation(how):
+  """A deep copy or a pickle of an ``inject_hyperparams(dynamic_loss_scale)`` state
+  updates as the state itself (the copy's ``<injected>`` placeholders used to differ
+  from the transformation's: "this state was made by ... another configuration")."""
+  tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale, hyperparam_dtype=jnp.float32)(
+    optax.sgd(0.1), init_scale=8.0
+  )
+  state = tx.init(PARAMS)
+  copied = copy.deepcopy(state) if how == "deepcopy" else pickle.loads(pickle.dumps(state))
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  assert bits(tx.update(grads, copied, PARAMS)) == bits(tx.update(grads, state, PARAMS))
