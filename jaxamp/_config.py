@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,31 +56,133 @@ def _key(value: Any) -> Any:
   return (type(value), value)
 
 
+def _doc(annotation: str, doc: str) -> dict[str, str]:
+  """A field's metadata: its type as the front-ends' signatures show it, and
+  its ``Args:`` entry."""
+  return {"annotation": annotation, "doc": doc}
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, eq=False)
 class LossScaleConfig:
   """Everything a loss scaler is built with; the defaults are torch's.
 
+  The one definition of every option: its default, its documentation and (in
+  :func:`loss_scale_config`) its validation. The front-ends take their
+  signatures and ``Args:`` entries from here (:func:`with_options`).
+
   Numbers are Python numbers, used exactly (float64 factors, as torch), or,
   in :func:`~jaxamp.dynamic_loss_scale` under ``optax.inject_hyperparams``,
-  arrays. Build it with :func:`loss_scale_config`, which checks every field.
-  A JAX pytree with no leaves, compared by value, so it can live in a state.
+  arrays. A JAX pytree with no leaves, compared by value, so it can live in a state.
   """
 
-  init_scale: Any = 2.0**16
-  growth_factor: Any = 2.0
-  backoff_factor: Any = 0.5
-  growth_interval: Any = 2000
-  enabled: bool = True
-  axis_name: str | tuple[str, ...] | None = None
-  min_loss_scale: Any = None
-  max_loss_scale: Any = None
-  hysteresis: Any = 1
-  consecutive_hysteresis: bool = False
-  max_consecutive_skips: Any = None
-  detect_unscale_overflow: bool = False
-  schedule_counts: str = "applied"
-  param_labels: Any = None  # a ParamLabels: one optimizer per label (_groups.py)
+  init_scale: Any = dataclasses.field(
+    default=2.0**16,
+    metadata=_doc("float | jax.Array", "the initial scale (a finite positive float32 number)."),
+  )
+  growth_factor: Any = dataclasses.field(
+    default=2.0,
+    metadata=_doc(
+      "float | jax.Array",
+      "multiplies the scale after ``growth_interval`` consecutive finite steps "
+      "(> 1). Python numbers are applied exactly as float64, as torch.",
+    ),
+  )
+  backoff_factor: Any = dataclasses.field(
+    default=0.5,
+    metadata=_doc("float | jax.Array", "multiplies the scale on a step with inf/NaN (0 < x < 1)."),
+  )
+  growth_interval: Any = dataclasses.field(
+    default=2000,
+    metadata=_doc(
+      "int | jax.Array",
+      "consecutive finite steps before growing (an int; zero or less never grows, as in torch).",
+    ),
+  )
+  enabled: bool = dataclasses.field(
+    default=True,
+    metadata=_doc(
+      "bool",
+      "``False`` behaves as torch's disabled scaler: the scale is 1, nothing is "
+      "checked or skipped, the gradients reach the optimizer as given, and the "
+      "other options are neither used nor checked.",
+    ),
+  )
+  axis_name: str | tuple[str, ...] | None = dataclasses.field(
+    default=None,
+    metadata=_doc(
+      "str | tuple[str, ...] | None",
+      "under ``jax.shard_map`` (or ``pmap``) with per-device gradients, the "
+      "mapped axis (or axes) over which the finiteness flag is all-reduced, so "
+      "every device skips the same steps, as torch all-reduces ``found_inf`` "
+      "(docs/distributed.md).",
+    ),
+  )
+  min_loss_scale: Any = dataclasses.field(
+    default=None,
+    metadata=_doc(
+      "float | jax.Array | None", "(not in torch) the scale never backs off below this."
+    ),
+  )
+  max_loss_scale: Any = dataclasses.field(
+    default=None,
+    metadata=_doc("float | jax.Array | None", "(not in torch) the scale never grows above this."),
+  )
+  hysteresis: Any = dataclasses.field(
+    default=1,
+    metadata=_doc(
+      "int | jax.Array",
+      "(not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a "
+      'backoff; each is still skipped (docs/grad_scaler.md, "Options").',
+    ),
+  )
+  consecutive_hysteresis: bool = dataclasses.field(
+    default=False,
+    metadata=_doc(
+      "bool",
+      "(not in torch) DeepSpeed's variant of ``hysteresis``: every finite step "
+      "refills it, not only a growth attempt.",
+    ),
+  )
+  max_consecutive_skips: Any = dataclasses.field(
+    default=None,
+    metadata=_doc(
+      "int | None",
+      "(not in torch) this many skipped steps in a row fail the jitted step, or "
+      "are a ``checkify`` error when the step is checkified (docs/protections.md).",
+    ),
+  )
+  detect_unscale_overflow: bool = dataclasses.field(
+    default=False,
+    metadata=_doc(
+      "bool",
+      "(not in torch) also skip when unscaling itself overflows (docs/torch_semantics.md §3.2).",
+    ),
+  )
+  schedule_counts: str = dataclasses.field(
+    default="applied",
+    metadata=_doc(
+      "str",
+      '``"applied"`` (optax\'s way, the default): a skipped step leaves the '
+      "inner state untouched, schedules included, so a schedule counts applied "
+      'updates. ``"iterations"`` (torch\'s way): a skipped step still advances '
+      "the schedules in the optimizer's state (``optax.scale_by_schedule``, hence "
+      "a schedule given as a learning rate, and ``inject_hyperparams``), as "
+      "torch's ``LRScheduler.step()`` runs every iteration, while the "
+      "optimizer's own counts (Adam's) stay (docs/porting.md, \"Schedules\").",
+    ),
+  )
+  param_labels: Any = dataclasses.field(
+    default=None,
+    metadata=_doc(
+      "Any",
+      "torch's several optimizers with one scaler: a tree of labels like the "
+      "params (or a function of the gradients giving one), as "
+      "``optax.multi_transform`` takes it, with ``inner`` a ``{label: "
+      "optimizer}``. A group is skipped only when its own gradients hold "
+      "inf/NaN; the scale backs off once per step whichever groups did.",
+    ),
+  )
 
   def _values(self) -> tuple:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -360,3 +465,74 @@ def check_new_scale(new_scale: Any) -> jax.Array:
       "is unchanged."
     )
   return jnp.asarray(np.float32(value))
+
+
+def _entry(name: str, doc: str, indent: str) -> str:
+  """``name: doc`` wrapped as a Google-style ``Args:`` entry at ``indent``."""
+  lines, line = [], f"{indent}{name}:"
+  for word in doc.split():
+    if len(line) + 1 + len(word) > 88:
+      lines.append(line)
+      line = f"{indent}  {word}"
+    else:
+      line = f"{line} {word}"
+  return "\n".join([*lines, line])
+
+
+def with_options(*, positional: tuple[str, ...] = (), exclude: tuple[str, ...] = ()):
+  """Gives a front-end (a function ``fn(*own, **options)``, or a class whose
+  ``__init__`` is one) the options of :class:`LossScaleConfig` (all but
+  ``exclude``): in its signature, with their defaults (the ``positional``
+  ones, in that order, positional-or-keyword, as torch's ``GradScaler`` takes
+  them; the others keyword-only), and in its docstring's ``Args:``, where the
+  line ``{options}`` stands. ``fn`` receives every option, defaults filled in;
+  an unknown keyword is a ``TypeError`` that names the known ones."""
+  fields = {f.name: f for f in dataclasses.fields(LossScaleConfig) if f.name not in exclude}
+  order = [*positional, *(name for name in fields if name not in positional)]
+
+  def parameter(name: str) -> inspect.Parameter:
+    kind = inspect.Parameter.KEYWORD_ONLY
+    if name in positional:
+      kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    field = fields[name]
+    return inspect.Parameter(
+      name, kind, default=field.default, annotation=field.metadata["annotation"]
+    )
+
+  def documented(doc: str) -> str:
+    marker = next(line for line in doc.splitlines() if line.strip() == "{options}")
+    indent = marker[: len(marker) - len(marker.lstrip())]
+    entries = [_entry(name, fields[name].metadata["doc"], indent) for name in order]
+    return doc.replace(marker, "\n".join(entries))
+
+  def wrap(fn: Callable) -> Callable:
+    signature = inspect.signature(fn)
+    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    full = signature.replace(parameters=[*own, *map(parameter, order)])
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+      try:
+        bound = full.bind(*args, **kwargs)
+      except TypeError as error:
+        raise TypeError(
+          f"jaxamp: {fn.__qualname__}() {error}. Its options are: {', '.join(order)}."
+        ) from None
+      bound.apply_defaults()
+      values = dict(bound.arguments)
+      own_values = [values.pop(p.name) for p in own]
+      return fn(*own_values, **values)
+
+    wrapper.__signature__ = full  # type: ignore[attr-defined]
+    return wrapper
+
+  def decorate(target: Any) -> Any:
+    if isinstance(target, type):
+      target.__init__ = wrap(target.__init__)
+      target.__doc__ = documented(target.__doc__ or "")
+      return target
+    wrapper = wrap(target)
+    wrapper.__doc__ = documented(target.__doc__ or "")
+    return wrapper
+
+  return decorate

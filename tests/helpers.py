@@ -218,3 +218,17 @@ def jitted_unscale_loop(scaler, injections):
       scaler, opt = train_step(scaler, opt, x, inject)
       scales.append(scaler.loss_scale)
   return scaler, opt, scales, len(traces)
+
+
+def needs_workaround(*names: str):
+  """Marks a test of an XLA workaround (``jaxamp/_xla``): it is skipped, saying
+  so, when ``JAXAMP_XLA_OFF`` turns one of ``names`` off (the plain form has
+  nothing of what it tests)."""
+  import pytest
+
+  from jaxamp import _xla
+
+  off = [name for name in names if not _xla.enabled(name)]
+  return pytest.mark.skipif(
+    bool(off), reason=f"tests the XLA workaround {off}, turned off by JAXAMP_XLA_OFF"
+  )

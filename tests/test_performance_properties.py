@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import bits, make_grads, normal_tree
+from helpers import bits, make_grads, needs_workaround, normal_tree
 
 import jaxamp
 
@@ -338,6 +338,7 @@ def test_dynamic_loss_scale_fused_unscaling_keeps_torchs_rounded_unscaled_grads(
     assert np.asarray(got[k]).tobytes() == expected[k].tobytes(), k
 
 
+@needs_workaround("layout")
 @pytest.mark.parametrize("form", ["helper", "optax"])
 def test_weight_gradients_reach_the_optimizer_without_a_layout_copy(form):
   # XLA CPU writes a float16 dot's weight gradient column-major; plain Adam's
@@ -371,6 +372,7 @@ def test_row_major_changes_no_value_and_keeps_the_tree():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@needs_workaround("fma_guard", "platform")
 @pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
 def test_float16_gradients_are_unscaled_without_an_integer_guard_on_cpu(front_end):
   # On XLA CPU a float16 gradient of an applied step is rounded by its own
@@ -401,6 +403,7 @@ def _scalars_carried_by_the_loop(leaves: int) -> int:
   return len(re.findall(r"(?:pred|s32|f32)\[\]", carried))
 
 
+@needs_workaround("in_place")
 def test_the_optax_form_loop_carries_no_scalar_per_leaf():
   # Each leaf's unscale once compared 1 / scale with 1 itself, and XLA carried
   # every copy of that comparison through the step's loop: 649 operands for

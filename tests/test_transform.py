@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import bits, make_grads
+from helpers import bits, make_grads, needs_workaround
 
 import jaxamp
 
@@ -378,6 +378,7 @@ def test_dynamic_loss_scale_traced_hyperparameters_are_not_validated_but_work():
   assert float(jax.jit(run)(jnp.float32(1.5))) == 3.0
 
 
+@needs_workaround("compile_cache")
 def test_dynamic_loss_scale_update_outside_jit_compiles_once(backend_compiles):
   # Outside jit the whole update is jitted once per shapes: a lax.cond of
   # fresh closures would compile on every call (hundreds of ms a step).

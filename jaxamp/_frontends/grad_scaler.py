@@ -30,6 +30,7 @@ from jaxamp._config import (
   is_array,
   loss_scale_config,
   python_number,
+  with_options,
 )
 from jaxamp._frontends.optimizer import Optimizer, per_param_leaf, updated
 from jaxamp._torch.checkpoint import STATE_DICT_KEYS, check_state_dict
@@ -156,6 +157,10 @@ def _key_of(optimizer: Any) -> int:
   return optimizer._key
 
 
+@with_options(
+  positional=("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"),
+  exclude=("axis_name", "param_labels"),
+)
 @jax.tree_util.register_pytree_node_class
 class GradScaler:
   """torch's ``GradScaler`` for JAX: the same methods, messages and arithmetic.
@@ -179,27 +184,13 @@ class GradScaler:
   its children; the configuration and the stages are static. Where it
   deliberately differs from torch: docs/torch_semantics.md.
 
+  Its options are :func:`~jaxamp.dynamic_loss_scale`'s (but ``axis_name`` and
+  ``param_labels``), as Python numbers; torch's five come first and may be
+  given by position. ``update()`` applies them to the found_inf combined over
+  all optimizers (``detect_unscale_overflow``: ``unscale_``/``step``).
+
   Args:
-    init_scale: the initial scale, a finite positive Python number.
-    growth_factor: multiplies the scale after ``growth_interval`` consecutive
-      clean updates (> 1).
-    backoff_factor: multiplies the scale on an update that found inf/NaN (in (0, 1)).
-    growth_interval: clean updates before growing (an int; <= 0 never grows).
-    enabled: ``False`` makes every method a pass-through, as torch's (the
-      options are then ignored and not checked).
-    min_loss_scale: (not in torch, keyword only, as are the five below) the
-      options of :func:`~jaxamp.dynamic_loss_scale`, as Python values, applied
-      by ``update()`` to the found_inf combined over all optimizers
-      (``detect_unscale_overflow`` by ``unscale_``/``step``).
-    max_loss_scale: as ``min_loss_scale``.
-    hysteresis: as ``min_loss_scale``.
-    consecutive_hysteresis: as ``min_loss_scale``.
-    max_consecutive_skips: as ``min_loss_scale``.
-    detect_unscale_overflow: as ``min_loss_scale``.
-    schedule_counts: (keyword only) ``"applied"`` or ``"iterations"``, as in
-      :func:`~jaxamp.dynamic_loss_scale`: with ``"iterations"`` a skipped
-      ``step`` still advances the schedules in the optimizer's state, as
-      torch's ``scheduler.step()`` runs every iteration.
+    {options}
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -215,45 +206,17 @@ class GradScaler:
     {'scale': 16.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 1, '_growth_tracker': 0}
   """
 
-  def __init__(
-    self,
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    enabled: bool = True,
-    *,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float | None = None,
-    hysteresis: int = 1,
-    consecutive_hysteresis: bool = False,
-    max_consecutive_skips: int | None = None,
-    detect_unscale_overflow: bool = False,
-    schedule_counts: str = "applied",
-  ):
+  def __init__(self, **options: Any):
     """Creates a scaler; see the class docstring."""
     self._core: LossScaleCore  # None when disabled: no method reads it then
     self._states: dict[int, _Record] = {}
     self._scaled = False
     self._init_growth_tracker = 0
-    check_flag("enabled", enabled)
-    if not enabled:
+    check_flag("enabled", options["enabled"])
+    if not options["enabled"]:
       self._config, self._core = _DISABLED, None  # type: ignore[assignment]
       return
-    self._config = loss_scale_config(
-      static=True,
-      init_scale=init_scale,
-      growth_factor=growth_factor,
-      backoff_factor=backoff_factor,
-      growth_interval=growth_interval,
-      min_loss_scale=min_loss_scale,
-      max_loss_scale=max_loss_scale,
-      hysteresis=hysteresis,
-      consecutive_hysteresis=consecutive_hysteresis,
-      max_consecutive_skips=max_consecutive_skips,
-      detect_unscale_overflow=detect_unscale_overflow,
-      schedule_counts=schedule_counts,
-    )
+    self._config = loss_scale_config(static=True, **options)
     self._core = init_core(self._config)
 
   @property

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import _engine as engine
-from jaxamp._config import LossScaleConfig, loss_scale_config
+from jaxamp._config import LossScaleConfig, loss_scale_config, with_options
 from jaxamp._engine import Check
 from jaxamp._torch.core import LossScaleCore, check_skip_limit, init_core
 from jaxamp._torch.groups import ParamLabels, grouped
@@ -131,23 +131,9 @@ def check_state(state: Any, recorded: LossScaleConfig) -> None:
     )
 
 
+@with_options()
 def dynamic_loss_scale(
-  inner: optax.GradientTransformation,
-  *,
-  init_scale: float | jax.Array = 2.0**16,
-  growth_factor: float | jax.Array = 2.0,
-  backoff_factor: float | jax.Array = 0.5,
-  growth_interval: int | jax.Array = 2000,
-  enabled: bool = True,
-  axis_name: str | tuple[str, ...] | None = None,
-  min_loss_scale: float | jax.Array | None = None,
-  max_loss_scale: float | jax.Array | None = None,
-  hysteresis: int | jax.Array = 1,
-  consecutive_hysteresis: bool = False,
-  max_consecutive_skips: int | None = None,
-  detect_unscale_overflow: bool = False,
-  schedule_counts: str = "applied",
-  param_labels: Any = None,
+  inner: optax.GradientTransformation, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -170,40 +156,7 @@ def dynamic_loss_scale(
   Args:
     inner: the optimizer to run on unscaled gradients; with ``param_labels``,
       ``{label: optimizer}``, one per group of parameters.
-    init_scale: the initial scale (a finite positive float32 number).
-    growth_factor: multiplies the scale after ``growth_interval`` consecutive
-      finite steps (> 1). Python numbers are applied exactly as float64, as torch.
-    backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
-    growth_interval: consecutive finite steps before growing (an int; zero or
-      less never grows, as in torch).
-    enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, there
-      is no check, and ``inner`` sees the gradients as given.
-    axis_name: under ``jax.shard_map`` (or ``pmap``) with per-device gradients,
-      the mapped axis (or axes) over which the finiteness flag is all-reduced,
-      so every device skips the same steps, as torch all-reduces ``found_inf``
-      (docs/distributed.md).
-    min_loss_scale: (not in torch) the scale never backs off below this.
-    max_loss_scale: (not in torch) the scale never grows above this.
-    hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated
-      before a backoff; each is still skipped (docs/grad_scaler.md, "Options").
-    consecutive_hysteresis: DeepSpeed's variant of ``hysteresis``.
-    max_consecutive_skips: (not in torch) this many skipped steps in a row
-      fail the jitted step, or are a ``checkify`` error when the step is
-      checkified (docs/protections.md).
-    detect_unscale_overflow: (not in torch) also skip when unscaling itself
-      overflows (docs/torch_semantics.md §3.2).
-    schedule_counts: ``"applied"`` (optax's way, the default): a skipped step
-      leaves the inner state untouched, schedules included, so a schedule
-      counts applied updates. ``"iterations"`` (torch's way): a skipped step
-      still advances the schedules inside ``inner`` (``optax.scale_by_schedule``,
-      hence a schedule given as a learning rate, and ``inject_hyperparams``),
-      as torch's ``LRScheduler.step()`` runs every iteration, while the
-      optimizer's own counts (Adam's) stay (docs/porting.md, "Schedules").
-    param_labels: torch's several optimizers with one scaler: a tree of labels
-      like the params (or a function of the gradients giving one), as
-      ``optax.multi_transform`` takes it, with ``inner`` a ``{label:
-      optimizer}``. A group is skipped only when its own gradients hold
-      inf/NaN; the scale backs off once per step whichever groups did.
+    {options}
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -225,6 +178,7 @@ def dynamic_loss_scale(
     >>> updates["w"].tolist(), float(state.loss_scale)
     ([-0.20000000298023224, -0.20000000298023224], 8.0)
   """
+  param_labels = options["param_labels"]
   labels = None if param_labels is None else ParamLabels(param_labels)
   if labels is not None:
     static_inner = tuple(inner.items()) if isinstance(inner, Mapping) else inner  # hashable
@@ -242,22 +196,7 @@ def dynamic_loss_scale(
       "jaxamp: dynamic_loss_scale wraps an optax.GradientTransformation (e.g. "
       f"optax.adam(1e-3)), got {type(inner).__name__}.{hint}"
     )
-  config = loss_scale_config(
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
-    enabled=enabled,
-    axis_name=axis_name,
-    min_loss_scale=min_loss_scale,
-    max_loss_scale=max_loss_scale,
-    hysteresis=hysteresis,
-    consecutive_hysteresis=consecutive_hysteresis,
-    max_consecutive_skips=max_consecutive_skips,
-    detect_unscale_overflow=detect_unscale_overflow,
-    schedule_counts=schedule_counts,
-    param_labels=labels,
-  )
+  config = loss_scale_config(**{**options, "param_labels": labels})
   recorded = config.recorded()
   static = (static_inner, recorded)
   inner = optax.with_extra_args_support(inner)

@@ -11,8 +11,10 @@ and each has a plain form, used when it is turned off:
   carry XLA updates in place (BENCHMARKS.md, "In-place updates"). Off: ``lax.cond``.
 - ``fma_guard``: unscaled gradients and updates kept rounded as torch
   materialises them, by XOR-ing their bits with a zero XLA cannot see, which
-  costs no memory pass (BENCHMARKS.md, "FMA guard"). Off:
-  ``lax.optimization_barrier``, which materialises them.
+  costs no memory pass (BENCHMARKS.md, "FMA guard"). It has no plain form and
+  cannot be turned off: without it XLA CPU contracts the unscale into the
+  optimizer's FMAs and changes values (``lax.optimization_barrier`` did not
+  stop it: tests/test_xla_workarounds.py).
 - ``compile_cache``: an eager call compiles once per configuration and shapes
   (BENCHMARKS.md, "Compile cache"). Off: traced and run on every call.
 - ``platform``: leaves treated one way on XLA CPU and another elsewhere, in one
@@ -20,8 +22,8 @@ and each has a plain form, used when it is turned off:
   form for every platform.
 
 The switch: ``JAXAMP_XLA_OFF`` names the workarounds to turn off, comma-separated,
-or ``all``, read once at import (``JAXAMP_XLA_OFF=all pytest`` runs the suite
-with every plain form). ``jaxamp/_xla/jax_internals.py`` holds the only imports
+or ``all`` (all but ``fma_guard``), read once at import (``JAXAMP_XLA_OFF=all
+pytest`` runs the suite with every plain form). ``jaxamp/_xla/jax_internals.py`` holds the only imports
 of JAX's private modules.
 """
 
@@ -29,11 +31,17 @@ from __future__ import annotations
 
 import os
 
-WORKAROUNDS = ("layout", "in_place", "fma_guard", "compile_cache", "platform")
+WORKAROUNDS = ("layout", "in_place", "compile_cache", "platform")  # can be turned off
 
 
 def _read_off(value: str) -> frozenset[str]:
   names = {name.strip() for name in value.split(",") if name.strip()}
+  if "fma_guard" in names:
+    raise ValueError(
+      "jaxamp: JAXAMP_XLA_OFF cannot turn off fma_guard: it keeps torch's values "
+      "(without it XLA CPU contracts the unscale into the optimizer's FMAs). "
+      "Leave it out; 'all' turns off every other workaround."
+    )
   if names == {"all"}:
     return frozenset(WORKAROUNDS)
   unknown = names - set(WORKAROUNDS)
@@ -50,4 +58,5 @@ OFF = _read_off(os.environ.get("JAXAMP_XLA_OFF", ""))
 
 def enabled(name: str) -> bool:
   """Whether the workaround ``name`` (one of :data:`WORKAROUNDS`) is on."""
+  assert name in WORKAROUNDS, name
   return name not in OFF

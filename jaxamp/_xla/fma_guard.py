@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._xla import enabled
 from jaxamp._xla.platform import map_by_platform
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -46,9 +45,6 @@ def _is_half(x: jax.Array) -> bool:
 
 
 def _guard(tree: Any, zero: jax.Array, *, halves_rounded_on_cpu: bool) -> Any:
-  if not enabled("fma_guard"):
-    return lax.optimization_barrier(tree)
-
   def xor(x):
     return x if x is None else _xor(x, zero)
 
