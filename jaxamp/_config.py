@@ -491,7 +491,7 @@ def with_options(*, positional: tuple[str, ...] = (), exclude: tuple[str, ...] =
   order = [*positional, *(name for name in fields if name not in positional)]
 
   def parameter(name: str) -> inspect.Parameter:
-    kind = inspect.Parameter.KEYWORD_ONLY
+    kind: inspect._ParameterKind = inspect.Parameter.KEYWORD_ONLY
     if name in positional:
       kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     field = fields[name]
@@ -528,7 +528,7 @@ def with_options(*, positional: tuple[str, ...] = (), exclude: tuple[str, ...] =
 
   def decorate(target: Any) -> Any:
     if isinstance(target, type):
-      target.__init__ = wrap(target.__init__)
+      target.__init__ = wrap(target.__init__)  # type: ignore[misc]
       target.__doc__ = documented(target.__doc__ or "")
       return target
     wrapper = wrap(target)
