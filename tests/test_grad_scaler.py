@@ -960,3 +960,16 @@ def test_disabled_grad_scaler_copy_keeps_its_unset_hyperparameters_matches_torch
   scaler.set_growth_factor(3.0)
   t_scaler.set_growth_factor(3.0)
   assert COPIES[how](scaler).get_growth_factor() == COPIES[how](t_scaler).get_growth_factor() == 3.0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_step_with_a_none_gradient_leaf_names_it_and_changes_nothing(enabled):
+  """Under a disabled scaler (opt.step()) optax raised a bare pytree-structure error."""
+  scaler = jaxamp.GradScaler(enabled=enabled)
+  scaler.scale(jnp.float32(1.0))
+  opt = jaxamp.Optimizer(optax.adam(0.1), {"a": jnp.ones(2), "b": jnp.ones(3)})
+  opt.grads = {"a": None, "b": jnp.ones(3)}
+  before = _snapshot(scaler, opt)
+  with pytest.raises(ValueError, match=r"^jaxamp: the gradient of \['a'\] is None"):
+    scaler.step(opt)
+  assert _snapshot(scaler, opt) == before

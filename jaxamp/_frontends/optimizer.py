@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._validation import is_none
+from jaxamp._validation import check_no_none_gradients, is_none
 
 _KEYS = itertools.count()
 
@@ -127,9 +127,15 @@ class Optimizer:
 
     Without a scaler, or under a disabled one. Nothing happens when ``grads``
     is ``None`` (torch skips parameters without a gradient).
+
+    Raises:
+      ValueError: a leaf of ``grads`` is ``None`` while its parameter is not (an
+        optax update needs every gradient; torch would step the others). Nothing
+        is changed.
     """
     if self.grads is None:
       return
+    check_no_none_gradients(self.grads, self.params)
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
     return
 
