@@ -53,3 +53,13 @@ def test_readme_example_prints_a_moving_scale_and_a_skipped_step(capsys):
   # The output shown in the README is the output of the example.
   shown = [block for block in _blocks(text, "text") if STEP_LINE.search(block)]
   assert shown == [printed], f"the README shows another output than it prints:\n{printed}"
+
+
+def test_quickstart_opens_with_the_readme_example_and_its_output():
+  readme, quickstart = (
+    (ROOT / "README.md").read_text(),
+    (ROOT / "docs" / "quickstart.md").read_text(),
+  )
+  assert _blocks(quickstart, "python")[0] == _blocks(readme, "python")[0]
+  shown = [block for block in _blocks(quickstart, "text") if STEP_LINE.search(block)]
+  assert shown == [block for block in _blocks(readme, "text") if STEP_LINE.search(block)]
