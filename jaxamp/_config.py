@@ -133,7 +133,7 @@ class LossScaleConfig:
     metadata=_doc(
       "int | jax.Array",
       "(not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a "
-      'backoff; each is still skipped (docs/grad_scaler.md, "Options").',
+      'backoff; each is still skipped (docs/protections.md, "Semantics").',
     ),
   )
   consecutive_hysteresis: bool = dataclasses.field(

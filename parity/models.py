@@ -262,7 +262,7 @@ def linear10(seed: int = 0, zero_loss: bool = False) -> Pair:
 
 
 def two_layer(seed: int = 1) -> Pair:
-  """``Linear(10, 10) -> ReLU -> Linear(10, 10)`` (the README's two-optimizer example)."""
+  """``Linear(10, 10) -> ReLU -> Linear(10, 10)`` (the model of docs/porting.md's examples)."""
   return _mse_pair("two_layer", (10, 10, 10), seed)
 
 

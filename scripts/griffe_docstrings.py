@@ -9,6 +9,10 @@ for reading in a terminal and for Sphinx-style tools, rendered as Markdown.
 - The options that ``jaxamp._config.with_options`` gives a front-end at import
   time (its ``**options`` and the ``{options}`` line of its docstring) are
   written out from ``LossScaleConfig``'s fields, read from the source.
+- A page of the docs named by its path in the repository (``docs/speed.md``, a
+  reader of ``help()`` has no site), with a section (``docs/x.md §3.2``,
+  ``docs/x.md, "Section"``) or not, becomes a relative link from the API pages
+  (docs/api/) to that page or section, which mkdocs checks like any other.
 
 The docstrings themselves stay as they are; nothing here runs outside the docs build.
 """
@@ -19,6 +23,7 @@ import ast
 import pathlib
 import re
 import textwrap
+import unicodedata
 from typing import Any
 
 import griffe
@@ -128,6 +133,55 @@ def _parameters(function: griffe.Function, names, positional, options) -> None:
   function.parameters = griffe.Parameters(*kept)
 
 
+DOCS_PAGE = re.compile(
+  r"(``)?docs/(?P<page>[\w/]+)\.md(?(1)``)"
+  r"(?P<section> ?§ ?(?P<number>\d+(?:\.\d+)?)|, (?P<quote>[\"'])(?P<name>[^\"'\n]+)(?P=quote))?"
+)
+
+
+def _slug(heading: str) -> str:
+  """The anchor Python-Markdown's toc extension gives a heading."""
+  text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+  text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+  text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+  return re.sub(r"[-\s]+", "-", text)
+
+
+def _headings(page: str) -> list[str]:
+  text = (ROOT / "docs" / f"{page}.md").read_text()
+  text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+  return re.findall(r"^#{1,6} +(.+?)\s*$", text, flags=re.MULTILINE)
+
+
+def _anchor(page: str, number: str | None, name: str | None) -> str:
+  """The anchor of ``page``'s section ``number`` (``3.2``; an item such as ``6.15``
+  without a heading of its own: its section's) or ``name``; none for the page."""
+  headings = _headings(page)
+  if name is not None and name.replace("`", "") in [h.replace("`", "") for h in headings]:
+    return _slug(next(h for h in headings if h.replace("`", "") == name.replace("`", "")))
+  while number:
+    for heading in headings:
+      if re.match(rf"{re.escape(number)}\.? ", heading):
+        return _slug(heading)
+    number = number.rpartition(".")[0]
+  return ""
+
+
+def _link_docs_pages(text: str) -> str:
+  """``docs/x.md`` (and a section cited after it) as a link, outside code blocks."""
+
+  def link(match: re.Match[str]) -> str:
+    page = match.group("page")
+    shown = f"docs/{page}.md" + (match.group("section") or "")
+    anchor = _anchor(page, match.group("number"), match.group("name"))
+    return f"[{shown}](../{page}.md{'#' + anchor if anchor else ''})"
+
+  parts = re.split(r"(^ *```.*?^ *```)", text, flags=re.DOTALL | re.MULTILINE)
+  return "".join(
+    part if part.lstrip().startswith("```") else DOCS_PAGE.sub(link, part) for part in parts
+  )
+
+
 class SphinxToMarkdown(griffe.Extension):
   """Rewrites each docstring once, when griffe loads the object."""
 
@@ -140,7 +194,7 @@ class SphinxToMarkdown(griffe.Extension):
     if obj.docstring is None:
       return
     value = ROLE.sub(lambda m: _role(m, self.public), obj.docstring.value)
-    obj.docstring.value = _literal_blocks(value)
+    obj.docstring.value = _link_docs_pages(_literal_blocks(value))
 
   def _write_options(self, obj: griffe.Object) -> None:
     # A decorated function, or a decorated class (its docstring) and its __init__.
