@@ -748,6 +748,14 @@ def test_nested_autocast_of_a_jitted_autocast_function_keeps_its_policy():
   )
 
 
+def test_a_jitted_function_traced_inside_an_autocast_function_is_traced_again_outside():
+  # inside, its autocast call only marks a region for the enclosing interpreter;
+  # jax.jit must not reuse that trace outside, where nothing would interpret it
+  inner = jax.jit(lambda x, w: jaxamp.autocast(lambda x, w: x @ w, jnp.bfloat16)(x, w))
+  assert jaxamp.autocast(inner, jnp.float16)(X, W).dtype == jnp.bfloat16
+  assert inner(X, W).dtype == jnp.bfloat16
+
+
 def test_nested_autocast_policy_is_the_inner_regions():
   # a CUDA-policy region inside a CPU-policy function: exp on torch's CUDA float32 list
   def f(w, x):

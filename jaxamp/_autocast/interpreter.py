@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import core as jex_core
 
 from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER, POLICIES
@@ -566,7 +567,11 @@ def interpret(fn: Callable[..., Any], mode: Mode, args: Any, kwargs: Any) -> Any
   arrays = [leaves[i] for i in traced]
   token = _TRACING.set(True)
   try:
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    # jax.jit keys its cache on this context: a jitted function traced here, its
+    # autocast calls marked as regions for this interpreter (not interpreted), is
+    # traced again when called outside, where they interpret.
+    with set_xla_metadata(jaxamp_autocast="region"):
+      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
   finally:
     _TRACING.reset(token)
   with jax.named_scope(APPLIED_SCOPE):
