@@ -156,6 +156,9 @@ def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
   float32 and its equations run as written. Outside ``autocast`` it is ``fn``
   with float32 inputs.
 
+  Args:
+    fn: the function to run in float32.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import jaxamp

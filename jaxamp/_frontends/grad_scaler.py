@@ -320,6 +320,9 @@ class GradScaler:
     times 65536 is 131072, not inf); float64 stays float64; a >=1-dim
     low-precision array keeps its dtype. Disabled: returns ``outputs`` itself.
 
+    Args:
+      outputs: the loss, a floating array, or nested lists/tuples of them.
+
     Raises:
       ValueError: an element is not an array (torch's message).
 
@@ -380,6 +383,9 @@ class GradScaler:
     Call it before changing the gradients (e.g. clipping by global norm);
     ``step`` then uses the found_inf recorded here, not re-checking.
 
+    Args:
+      optimizer: the :class:`Optimizer` whose ``grads`` are unscaled.
+
     Raises:
       RuntimeError: before any ``scale()``, or if ``unscale_`` or ``step``
         was already called on this optimizer since the last ``update()``.
@@ -410,6 +416,11 @@ class GradScaler:
     untouched, bit for bit (Adam's count does not advance). ``opt.grads`` holds
     the unscaled gradients afterwards, inf/NaN included. Keyword arguments are
     passed to ``tx.update``. Disabled: ``optimizer.step(**extra_args)``.
+
+    Args:
+      optimizer: the :class:`Optimizer` to step; ``optimizer.grads`` holds the
+        gradients of the scaled loss (or those ``unscale_`` unscaled).
+      **extra_args: passed to ``tx.update``.
 
     Raises:
       RuntimeError: ``closure=`` given; before any ``scale()``; ``step``
@@ -528,6 +539,9 @@ class GradScaler:
     held inf/NaN the last time this scaler found inf/NaN in ``optimizer``'s
     gradients (so the last time its step was skipped); ``[]`` if never.
 
+    Args:
+      optimizer: the :class:`Optimizer` whose last skipped step is asked about.
+
     A host read: call it outside ``jit``.
 
     Examples:
@@ -592,7 +606,12 @@ class GradScaler:
     return self._get("growth_factor")
 
   def set_growth_factor(self, new_factor: float) -> None:
-    """Sets the growth factor (a Python number; its range is not checked, as torch)."""
+    """Sets the growth factor (a Python number; its range is not checked, as torch).
+
+    Args:
+      new_factor: what the scale is multiplied by after ``growth_interval``
+        steps in a row with finite gradients.
+    """
     self._set("growth_factor", new_factor)
 
   def get_backoff_factor(self) -> float:
@@ -600,7 +619,12 @@ class GradScaler:
     return self._get("backoff_factor")
 
   def set_backoff_factor(self, new_factor: float) -> None:
-    """Sets the backoff factor (a Python number; its range is not checked, as torch)."""
+    """Sets the backoff factor (a Python number; its range is not checked, as torch).
+
+    Args:
+      new_factor: what the scale is multiplied by after a step whose gradients
+        held inf/NaN.
+    """
     self._set("backoff_factor", new_factor)
 
   def get_growth_interval(self) -> int:
@@ -608,7 +632,11 @@ class GradScaler:
     return self._get("growth_interval")
 
   def set_growth_interval(self, new_interval: int) -> None:
-    """Sets the growth interval (an int; <= 0 never grows, as torch)."""
+    """Sets the growth interval (an int; <= 0 never grows, as torch).
+
+    Args:
+      new_interval: how many steps in a row with finite gradients grow the scale.
+    """
     self._set("growth_interval", new_interval, integer=True)
 
   def is_enabled(self) -> bool:
@@ -640,6 +668,11 @@ class GradScaler:
 
     Everything is checked before anything changes (torch applies the keys one
     by one). The per-optimizer stages are kept, as torch. Disabled: does nothing.
+
+    Args:
+      state_dict: what ``state_dict()`` returned, torch's or jaxamp's (``scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``).
 
     Raises:
       RuntimeError: an empty dict (torch's message); a scale beyond float32 or

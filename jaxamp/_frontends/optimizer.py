@@ -94,12 +94,20 @@ class Optimizer:
   def zero_grad(self, set_to_none: bool = True) -> None:
     """Forgets the gradients, as torch's ``zero_grad()``: ``grads = None``, or
     zeros like ``params`` with ``set_to_none=False`` (the pytree structure then
-    stays the same, so a jitted accumulation step does not trace again)."""
+    stays the same, so a jitted accumulation step does not trace again).
+
+    Args:
+      set_to_none: ``True`` (torch's default) sets ``grads`` to ``None``,
+        ``False`` to zeros like ``params``.
+    """
     self.grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self.params)
 
   def accumulate(self, grads: Any) -> None:
     """Adds ``grads`` to ``self.grads`` (``None``, for the whole tree or a leaf,
     counts as zeros), as each ``loss.backward()`` adds into ``param.grad`` in torch.
+
+    Args:
+      grads: the gradients to add, a tree like ``params``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -119,6 +127,10 @@ class Optimizer:
     """The ``(params, opt_state)`` after one ``tx`` update with ``grads``.
 
     Pure: the handle is not changed. ``extra_args`` go to ``tx.update``.
+
+    Args:
+      grads: the gradients to apply, a tree like ``params``.
+      **extra_args: passed to ``tx.update``.
     """
     return updated(self.tx, grads, self.opt_state, self.params, **extra_args)
 
@@ -127,6 +139,9 @@ class Optimizer:
 
     Without a scaler, or under a disabled one. Nothing happens when ``grads``
     is ``None`` (torch skips parameters without a gradient).
+
+    Args:
+      **extra_args: passed to ``tx.update``.
 
     Raises:
       ValueError: a leaf of ``grads`` is ``None`` while its parameter is not (an

@@ -37,6 +37,9 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
   of these; :func:`jaxamp.get_loss_scale` and :func:`jaxamp.scale_loss` also
   refuse the placements where the scaler does not see the gradients as given.
 
+  Args:
+    opt_state: an optimizer state, an ``nnx.Optimizer`` or a ``TrainState``.
+
   Raises:
     ValueError: there is no jaxamp state, or more than one.
   """
@@ -121,6 +124,10 @@ def field_array(field: Any) -> jax.Array:
 def get_loss_scale(opt_state: Any) -> jax.Array:
   """The current loss scale (float32 ``[]``) from a state holding a jaxamp state.
 
+  Args:
+    opt_state: an optimizer state holding one :func:`dynamic_loss_scale` state,
+      or an ``nnx.Optimizer`` or ``TrainState`` holding one.
+
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
     >>> tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
@@ -153,6 +160,11 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   product here is float32, as torch's 0-dim float16 loss times its float32
   scale (a float64 loss gives float64). The same product as
   ``GradScaler.scale``. Differentiate this and pass the gradients to the optimizer.
+
+  Args:
+    loss: the loss, a floating array (float32 recommended).
+    opt_state: an optimizer state holding one :func:`dynamic_loss_scale` state,
+      or an ``nnx.Optimizer`` or ``TrainState`` holding one.
 
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp

@@ -68,7 +68,11 @@ def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple
 
 
 class ClipGradNormState(NamedTuple):
-  """The total norm of the last update's gradients, before clipping."""
+  """The total norm of the last update's gradients, before clipping.
+
+  Attributes:
+    total_norm: the norm, float32 ``[]``, as ``clip_grad_norm_`` returns it.
+  """
 
   total_norm: jax.Array
 
@@ -79,6 +83,10 @@ def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.Gradien
   Put it inside :func:`~jaxamp.dynamic_loss_scale`, where it sees unscaled
   gradients, as torch clips after ``scaler.unscale_``. Its state keeps the
   total norm, as ``clip_grad_norm_`` returns it.
+
+  Args:
+    max_norm: the largest total norm kept.
+    norm_type: the p of the p-norm, as in :func:`clip_grad_norm`.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp

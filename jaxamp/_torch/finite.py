@@ -82,6 +82,9 @@ def _check_arrays(tree: Any) -> None:
 def all_finite(tree: Any) -> jax.Array:
   """Whether every element of every array leaf is finite (``None`` skipped).
 
+  Args:
+    tree: a pytree of arrays.
+
   Examples:
     >>> import jax.numpy as jnp, jaxamp
     >>> bool(jaxamp.ops.all_finite({"w": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))

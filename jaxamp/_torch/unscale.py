@@ -80,6 +80,9 @@ def inverse_scale(loss_scale: jax.Array) -> jax.Array:
   ``2**126`` (whose reciprocal is subnormal, which XLA would flush to zero)
   are handled exactly from their bits.
 
+  Args:
+    loss_scale: the scale, float32 ``[]``.
+
   Examples:
     >>> import jax.numpy as jnp, numpy as np
     >>> scale = np.float32(1e38)
