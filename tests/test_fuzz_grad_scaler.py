@@ -381,6 +381,7 @@ class GradScalerMachine(RuleBasedStateMachine):
     closure = data.draw(st.integers(0, 9)) == 0
     kwargs = {"closure": lambda: None} if closure else {}
     missing = any(g is None for g in self.jax_grad_leaves(i))
+    stage_before = _stage(self.jax_scaler, self.jax_opts[i], self.torch_scaler, self.torch_opts[i])
     before = self.snapshot()
     jax_out = Outcome(lambda: self.jax_scaler.step(self.jax_opts[i], **kwargs))
     if isinstance(jax_out.error, ValueError) and NONE_GRADIENT in str(jax_out.error):
@@ -397,7 +398,8 @@ class GradScalerMachine(RuleBasedStateMachine):
     self.compare(jax_out, torch_out)
     if jax_out.error is None and self.enabled:
       self.main_owns = True
-    if torch_out.error is not None and str(torch_out.error).startswith("No inf checks"):
+    refused_from_ready = stage_before == ("READY", "READY")
+    if refused_from_ready and str(torch_out.error).startswith("No inf checks"):
       # Deliberate difference (§1.6): jaxamp's refused step leaves the stage READY,
       # torch leaves an UNSCALED entry with no checks.
       entry = self.torch_scaler._per_optimizer_states.get(id(self.torch_opts[i]))
