@@ -275,6 +275,7 @@ class Info:
   depth: int = 0
   matmul: bool = False  # the output of a matmul itself
   from_mask: bool = False  # computed from a comparison: see _check_values
+  half_here: bool = False  # made half by an autocast region nested in this one
 
 
 INPUTS = (
@@ -303,11 +304,14 @@ def _draw_op(draw, infos, region):
   ints = [i for i, v in enumerate(infos) if v.kind == "int" and v.shape == "full"]
   names = ["binary", "binary", "where", "sum", "mean", "max", "layer_norm_affine"]
   names += list(UNARY_FULL) + list(UNARY_ANY)
-  if region == "off":
-    # torch raises for a matmul of a half tensor and a float32 parameter with autocast
-    # off; jaxamp promotes (docs/autocast.md, "Nested regions")
+  # torch raises for a matmul of a half tensor and a float32 parameter with autocast
+  # off; jaxamp promotes (docs/autocast.md, "Nested regions")
+  exact = [i for i in full if not infos[i].half_here]
+  if region == "off" or (region == "disabled" and not exact):
     names = [n for n in names if n not in PARAMETRIC]
   name = draw(st.sampled_from(names))
+  if name in PARAMETRIC and region == "disabled":
+    full = exact
   x = draw(
     st.sampled_from(full if name in UNARY_FULL + PARAMETRIC + ("sum", "mean", "max") else floats)
   )
@@ -416,13 +420,19 @@ def _draw_program(draw, infos, n_ops, nest, region=None):
       inner = infos
       if kind == "disabled":  # autocast_disabled casts half inputs to float32
         inner = [
-          dataclasses.replace(v, traced="float32") if v.kind == "float" else v for v in infos
+          dataclasses.replace(v, traced="float32", half_here=False) if v.kind == "float" else v
+          for v in infos
         ]
       sub, sub_infos = _draw_program(draw, inner, draw(st.integers(1, 3)), nest - 1, kind)
       ops.append(Op("region", (), Region(kind, tuple(sub))))
-      infos += sub_infos[len(infos) :]
+      new = sub_infos[len(infos) :]
+      if kind == "autocast":
+        new = [dataclasses.replace(v, half_here=v.kind == "float") for v in new]
+      infos += new
       continue
     op, info = _draw_op(draw, infos, region)
+    if info.kind == "float":
+      info = dataclasses.replace(info, half_here=any(infos[a].half_here for a in op.args))
     ops.append(op)
     infos.append(info)
   return ops, infos

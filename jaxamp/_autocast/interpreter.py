@@ -36,16 +36,15 @@ class Mode(NamedTuple):
 # A region's equations carry its name scope; each equation runs by the
 # innermost one (torch: the innermost autocast context decides), and one in no
 # region by the mode of the autocast call that traced it.
-DISABLED_SCOPE = "jaxamp_autocast_disabled"  # autocast_disabled: as written, float32
-OFF_SCOPE = "jaxamp_autocast_off"  # autocast(enabled=False) inside autocast: input dtypes
-# What an autocast call emits: already cast, so an enclosing autocast runs it as
-# written (a jitted autocast function whose trace jax.jit cached before).
-APPLIED_SCOPE = "jaxamp_autocast_applied"
+# autocast(enabled=False) and autocast_disabled: autocast off, input dtypes.
+OFF_SCOPE = "jaxamp_autocast_off"
+# Equations that run as traced: what an autocast call emits (already cast) and
+# autocast_disabled's casts of its inputs to float32.
+AS_WRITTEN_SCOPE = "jaxamp_autocast_as_written"
 
 _MODES = {
-  DISABLED_SCOPE: Mode(None, frozenset(), as_written=True),
-  APPLIED_SCOPE: Mode(None, frozenset(), as_written=True),
   OFF_SCOPE: Mode(None, frozenset()),
+  AS_WRITTEN_SCOPE: Mode(None, frozenset(), as_written=True),
 }
 
 
@@ -574,6 +573,6 @@ def interpret(fn: Callable[..., Any], mode: Mode, args: Any, kwargs: Any) -> Any
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
   finally:
     _TRACING.reset(token)
-  with jax.named_scope(APPLIED_SCOPE):
+  with jax.named_scope(AS_WRITTEN_SCOPE):
     outs = Interpreter(mode).eval_jaxpr(closed.jaxpr, closed.consts, arrays)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._autocast.interpreter import (
-  DISABLED_SCOPE,
+  AS_WRITTEN_SCOPE,
   OFF_SCOPE,
   Mode,
   check_outputs,
@@ -48,8 +48,8 @@ def autocast(
   Regions nest as torch's contexts do, the innermost deciding: an ``autocast``
   function called inside another runs with its own ``dtype`` and ``policy``,
   one with ``enabled=False`` with autocast off, and :func:`autocast_disabled`
-  runs as written, in float32. The policy, the torch-to-primitive table and
-  what differs from torch: ``docs/autocast.md``.
+  with autocast off after casting its inputs to float32. The policy, the
+  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
 
   Args:
     fn: the function; its array arguments (leaves of any pytree) are traced,
@@ -152,9 +152,10 @@ def _module_call(nnx: Any, module: Any, mode: Mode) -> Callable[..., Any]:
 
 def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` run in float32 inside an :func:`autocast` function (torch's
-  ``autocast(enabled=False)`` region): its floating array inputs are cast to
-  float32 and its equations run as written. Outside ``autocast`` it is ``fn``
-  with float32 inputs.
+  ``autocast(enabled=False)`` region after ``.float()``): its floating array
+  inputs are cast to float32 and its equations run with autocast off, in the
+  dtypes their inputs arrive in (float32, but for the outputs of an autocast
+  region nested in it). Outside ``autocast`` it is ``fn`` with float32 inputs.
 
   Args:
     fn: the function to run in float32.
@@ -171,8 +172,9 @@ def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    with jax.named_scope(DISABLED_SCOPE):
-      args, kwargs = jax.tree.map(_to_float32, (args, kwargs))
+    with jax.named_scope(OFF_SCOPE):
+      with jax.named_scope(AS_WRITTEN_SCOPE):
+        args, kwargs = jax.tree.map(_to_float32, (args, kwargs))
       return fn(*args, **kwargs)
 
   return wrapped
@@ -185,7 +187,6 @@ def _to_float32(x: Any) -> Any:
     return jnp.asarray(x).astype(F32)
   if tracing():
     # Traced in float32, x may arrive half when the enclosing autocast runs: a
-    # copy is an equation of this region, run as written, that is, in float32
-    # (an autocast region nested in this one then reads float32, as in torch).
+    # copy run as written is a cast to float32 there.
     return jnp.copy(x)
   return x
