@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import os
 import pathlib
@@ -52,9 +53,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     metavar="PATH",
     type=pathlib.Path,
     default=pathlib.Path("parity_out/parity.png"),
-    help="where to write the scale and loss curves (default: %(default)s)",
+    help="where to write the summary picture; the per-step differences go next to it, "
+    "as NAME_steps.png (default: %(default)s)",
   )
-  parser.add_argument("--no-png", action="store_true", help="do not draw the curves")
+  parser.add_argument("--no-png", action="store_true", help="do not draw the pictures")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser.parse_args(argv)
 
@@ -97,6 +99,26 @@ def _select(names: list[str] | None, registry: dict) -> list:
   return [registry[n] for n in names]
 
 
+# A run's cost, in units of one step of the small models, from a full run's
+# per-run times: building both models and compiling the steps, then each
+# micro-batch, dearer for the larger models.
+_SETUP_COST = 130.0
+_STEP_COST = {"mlp_digits": 1.8, "mlp_digits_autocast": 1.8, "cnn_digits": 2.3, "transformer": 6.0}
+
+
+def _model_name(scenario) -> str:
+  model = scenario.model
+  while isinstance(model, functools.partial):
+    model = model.func
+  return model.__name__
+
+
+def _cost(scenario) -> float:
+  """A run's cost relative to the others, estimated from the scenario's size."""
+  steps = scenario.steps * scenario.accumulate
+  return _SETUP_COST + steps * _STEP_COST.get(_model_name(scenario), 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   try:
@@ -135,15 +157,22 @@ def _run(args, selected) -> int:
   except ImportError:
     tqdm = None
   progress = None
+  costs = [_cost(scenario) for scenario, _ in runs]
   if tqdm is not None and not args.no_progress:
-    progress = tqdm(total=len(runs), unit="run", file=sys.stderr)
+    # Measured in estimated cost, not in runs: the long runs come last, and a
+    # bar counting runs would promise an end long before it.
+    progress = tqdm(
+      total=sum(costs),
+      file=sys.stderr,
+      bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
+    )
   results = []
-  for scenario, api in runs:
+  for number, ((scenario, api), cost) in enumerate(zip(runs, costs), 1):
     if progress is not None:
-      progress.set_description(f"{scenario.name} [{api}]")
+      progress.set_description(f"run {number}/{len(runs)} {scenario.name} [{api}]")
     results.append(engine.run(scenario, api))
     if progress is not None:
-      progress.update()
+      progress.update(cost)
   if progress is not None:
     progress.close()
   print(report.table(results))
@@ -154,8 +183,8 @@ def _run(args, selected) -> int:
       report.write_json(results, args.json)
       print(f"results written to {args.json}")
     if not args.no_png:
-      report.write_png(results, {s.name for s in selected if s.plot}, args.png)
-      print(f"curves written to {args.png}")
+      summary, steps = report.write_png(results, args.png)
+      print(f"summary written to {summary}, per-step differences to {steps}")
   except OSError as error:
     raise BadInput(f"cannot write the output: {error}") from None
   return 0 if all(r.passed for r in results) else 1

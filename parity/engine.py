@@ -282,7 +282,9 @@ def _torch_hyper(scenario) -> dict:
   }
 
 
-def _compare_state(result: Result, step: int, jax_state: dict, torch_state_: dict) -> None:
+def _compare_state(result: Result, step: int, jax_state: dict, torch_state_: dict) -> float:
+  """Checks the optimizer states; returns this step's largest relative difference."""
+  step_max = 0.0
   for kind, torch_values in torch_state_.items():
     for name, t in torch_values.items():
       j = jax_state.get(kind, {}).get(name)
@@ -294,6 +296,7 @@ def _compare_state(result: Result, step: int, jax_state: dict, torch_state_: dic
           result.fail(step, f"Adam step count {name}: jaxamp {float(j)} torch {float(t)}")
         continue
       diff = relative_difference(j, t)
+      step_max = max(step_max, diff)
       result.max_state_diff = max(result.max_state_diff, diff)
       if not diff <= result.state_rtol:
         result.fail(step, f"optimizer state {kind}[{name}] differs by {diff:.3g}")
@@ -302,6 +305,7 @@ def _compare_state(result: Result, step: int, jax_state: dict, torch_state_: dic
     for name, j in jax_values.items():
       if name not in torch_state_.get(kind, {}) and np.any(np.asarray(j) != 0):
         result.fail(step, f"optimizer state {kind}[{name}] moved where torch has none")
+  return step_max
 
 
 def _explained_by_flush(jax_value, torch_value, scaled, scale) -> bool:
@@ -340,6 +344,7 @@ def run(scenario, api: str) -> Result:
     result.record("torch_scale", t["scale"])
     result.record("jax_scale", j["scale"])
     result.skipped_steps += int(any(t["found"]))
+    result.record("skipped", any(t["found"]))
     if _bits(j["scale_used"]) != _bits(t["scale_used"]) or _bits(j["scale"]) != _bits(t["scale"]):
       result.scale_match = False
       result.fail(step, f"scale: jaxamp {float(j['scale'])!r} torch {float(t['scale'])!r}")
@@ -372,14 +377,17 @@ def run(scenario, api: str) -> Result:
         bits_ok = False
         result.fail(step, f"unscaled grad {name} differs from torch's bit pattern")
       result.unscale_bits_match = bits_ok and result.unscale_bits_match is not False
+    step_param_diff = 0.0
     for name, value in t["params"].items():
       diff = relative_difference(j["params"][name], value)
       if name in flushed and not diff <= scenario.param_rtol:
         continue  # fed by flushed gradients: the documented divergence
+      step_param_diff = max(step_param_diff, diff)
       result.max_param_diff = max(result.max_param_diff, diff)
       if not diff <= scenario.param_rtol:
         result.fail(step, f"parameter {name} differs by {diff:.3g}")
-    _compare_state(result, step, jax_run.state(), torch_run.state())
+    result.record("param_diff", step_param_diff)
+    result.record("state_diff", _compare_state(result, step, jax_run.state(), torch_run.state()))
     if scenario.resume is not None and scenario.resume[0] == step + 1:
       if scenario.resume[1] == "jax":
         jax_run.resume(torch_run.checkpoint())

@@ -65,7 +65,7 @@ def table(results: list[Result]) -> str:
   if flushed:
     lines.append(
       "* FTZ: XLA flushes float32 subnormals to zero, torch keeps them (a documented "
-      "divergence, README 'Exactness'). In these runs the unscaled gradients equal torch's "
+      'divergence: docs/exactness.md, "Subnormals"). In these runs the unscaled gradients equal torch\'s '
       "bit for bit except where a subnormal is involved, and there they equal torch's "
       "arithmetic with flush-to-zero bit for bit; a parameter fed by flushed gradients may then differ from "
       "torch's (not failed). Flushed elements: "
@@ -112,33 +112,217 @@ def write_json(results: list[Result], path: pathlib.Path) -> None:
   path.write_text(json.dumps(to_json(results), indent=1) + "\n")
 
 
-def write_png(results: list[Result], plotted: set[str], path: pathlib.Path) -> None:
-  """Scale trajectories (log scale) and loss curves, torch and jaxamp side by side."""
+_CHECK, _CROSS = "\u2713", "\u2717"
+_API_STYLE = {"optax": ("o", "tab:blue"), "grad_scaler": ("x", "tab:orange")}
+# Relative differences below this are drawn at the floor, labelled "0".
+_STEP_FLOOR = 1e-10
+_RATIO_FLOOR = 1e-4
+
+
+def steps_png_path(path: pathlib.Path) -> pathlib.Path:
+  """Where the per-step panels go: next to the summary, ``NAME_steps.png``."""
+  return path.with_name(f"{path.stem}_steps{path.suffix}")
+
+
+def write_png(results: list[Result], path: pathlib.Path) -> list[pathlib.Path]:
+  """The summary (``path``) and the per-step panels (:func:`steps_png_path`)."""
   import matplotlib
 
   matplotlib.use("Agg")
+  steps_path = steps_png_path(path)
+  _write_summary(results, path)
+  _write_steps(results, steps_path)
+  return [path, steps_path]
+
+
+def _by_scenario(results: list[Result]) -> dict[str, list[Result]]:
+  grouped: dict[str, list[Result]] = {}
+  for r in results:
+    grouped.setdefault(r.scenario, []).append(r)
+  return grouped
+
+
+def _all(flags) -> str:
+  flags = [f for f in flags if f is not None]
+  if not flags:
+    return "n/a"
+  return _CHECK if all(flags) else _CROSS
+
+
+def _ratio(value: float, tolerance: float) -> float:
+  ratio = value / tolerance if math.isfinite(value) else math.inf
+  return min(max(ratio, _RATIO_FLOOR), 30.0)
+
+
+def _write_summary(results: list[Result], path: pathlib.Path) -> None:
+  """One row per scenario: the exact checks as marks, the toleranced ones as markers."""
   import matplotlib.pyplot as plt
 
-  names = [n for n in dict.fromkeys(r.scenario for r in results) if n in plotted]
-  if not names:
-    names = list(dict.fromkeys(r.scenario for r in results))[:4]
-  fig, axes = plt.subplots(len(names), 2, figsize=(12, 3.2 * len(names)), squeeze=False)
-  styles = {"optax": ("--", "tab:orange"), "grad_scaler": (":", "tab:green")}
-  for row, name in zip(axes, names):
-    runs = [r for r in results if r.scenario == name]
-    for ax, key, label in ((row[0], "scale", "loss scale"), (row[1], "loss", "loss")):
-      ax.plot(
-        runs[0].curves[f"torch_{key}"], "-", color="tab:blue", lw=2.5, alpha=0.6, label="torch"
-      )
+  grouped = _by_scenario(results)
+  n = len(grouped)
+  fig = plt.figure(figsize=(13, 1.6 + 0.24 * n))
+  grid = fig.add_gridspec(1, 3, width_ratios=[5.2, 2.6, 2.6], wspace=0.05)
+  text_ax = fig.add_subplot(grid[0])
+  axes = [fig.add_subplot(grid[1]), fig.add_subplot(grid[2])]
+  columns = [
+    ("scenario", 0.0, "left"),
+    ("steps", 0.60, "right"),
+    ("scale", 0.69, "center"),
+    ("tracker", 0.79, "center"),
+    ("skips", 0.885, "center"),
+    ("unscale", 0.975, "center"),
+  ]
+  text_ax.set_xlim(0, 1)
+  text_ax.set_ylim(n - 0.5, -0.5)
+  text_ax.axis("off")
+  for label, x, align in columns:
+    text_ax.text(x, -0.9, label, ha=align, va="bottom", fontsize=9, fontweight="bold")
+  for row, (name, runs) in enumerate(grouped.items()):
+    skips = f"{_all(r.skips_match for r in runs)} {runs[0].skipped_steps}"
+    unscale = _all(r.unscale_bits_match for r in runs)
+    if any(r.flushed_elements for r in runs) and unscale == _CHECK:
+      unscale += " FTZ"
+    cells = [
+      name,
+      str(runs[0].steps),
+      _all(r.scale_match for r in runs),
+      _all(r.tracker_match for r in runs),
+      skips,
+      unscale,
+    ]
+    failed = not all(r.passed for r in runs)
+    for (_, x, align), cell in zip(columns, cells):
+      color = "tab:red" if failed or cell.startswith(_CROSS) else "black"
+      text_ax.text(x, row, cell, ha=align, va="center", fontsize=8, color=color)
+    if row % 2 == 0:
+      for ax in (text_ax, *axes):
+        ax.axhspan(row - 0.5, row + 0.5, color="0.94", zorder=0)
+  titles = ("parameters: max difference / tolerance", "optimizer state: max difference / tolerance")
+  for ax, title, key in zip(axes, titles, ("param", "state")):
+    for row, runs in enumerate(grouped.values()):
       for r in runs:
-        style, color = styles[r.api]
-        ax.plot(
-          r.curves[f"jax_{key}"], style, color=color, lw=1.5, label=f"jaxamp {_API_NAMES[r.api]}"
+        marker, color = _API_STYLE[r.api]
+        value, tolerance = (
+          (r.max_param_diff, r.param_rtol) if key == "param" else (r.max_state_diff, r.state_rtol)
         )
-      ax.set_yscale("log")
-      ax.set_title(f"{name}: {label}")
-      ax.set_xlabel("step")
-      ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=80)
+        ax.plot(_ratio(value, tolerance), row, marker, color=color, ms=5, mew=1.5)
+    ax.axvline(1.0, color="tab:red", lw=1.2)
+    ax.axvspan(1.0, 30.0, color="tab:red", alpha=0.08)
+    ax.set_xscale("log")
+    ax.set_xlim(_RATIO_FLOOR / 2, 30.0)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks([])
+    ax.set_xticks([_RATIO_FLOOR, 1e-3, 1e-2, 1e-1, 1.0, 10.0])
+    ax.set_xticklabels(["\u22641e-4", "1e-3", "1e-2", "0.1", "tol", "10x"], fontsize=8)
+    ax.tick_params(axis="x", top=True, labeltop=True, labelsize=8)
+    ax.set_title(title, fontsize=9, pad=18)
+    ax.grid(axis="x", color="0.85", lw=0.5)
+  handles = [
+    plt.Line2D([], [], ls="", marker=m, color=c, mew=1.5, label=f"jaxamp {_API_NAMES[api]}")
+    for api, (m, c) in _API_STYLE.items()
+  ]
+  passed = sum(r.passed for r in results)
+  fig.suptitle(
+    f"jaxamp vs torch.amp.GradScaler: {passed} of {len(results)} runs match, "
+    f"{n} scenarios.  {_CHECK}: equal at every step, bit for bit "
+    "(scale, growth tracker, skip decisions, unscaled gradients)",
+    fontsize=10,
+    y=1 - 0.25 / (1.6 + 0.24 * n),
+  )
+  fig.legend(
+    handles=handles,
+    loc="upper right",
+    ncol=2,
+    fontsize=8,
+    frameon=False,
+    bbox_to_anchor=(0.99, 1 - 0.45 / (1.6 + 0.24 * n)),
+  )
+  fig.subplots_adjust(
+    left=0.01, right=0.99, top=1 - 1.2 / (1.6 + 0.24 * n), bottom=0.35 / (1.6 + 0.24 * n)
+  )
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def _floored(values: list[float]) -> list[float]:
+  return [min(max(v, _STEP_FLOOR), 1e3) if math.isfinite(v) else 1e3 for v in values]
+
+
+def _write_steps(results: list[Result], path: pathlib.Path) -> None:
+  """A panel per scenario: jaxamp's difference from torch after each step, and the tolerance."""
+  import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
+
+  grouped = _by_scenario(results)
+  columns = 4
+  rows = math.ceil(len(grouped) / columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(16, 0.6 + 2.1 * rows), squeeze=False)
+  for ax in axes.flat[len(grouped) :]:
+    ax.axis("off")
+  for ax, (name, runs) in zip(axes.flat, grouped.items()):
+    steps = range(1, runs[0].steps + 1)
+    skipped = [s for s, flag in zip(steps, runs[0].curves.get("skipped", ())) if flag]
+    marker_size = 3 if runs[0].steps <= 30 else 0
+    for r in runs:
+      color = _API_STYLE[r.api][1]
+      ax.plot(
+        steps,
+        _floored(r.curves["param_diff"]),
+        "-",
+        color=color,
+        lw=1.0,
+        marker=".",
+        ms=marker_size,
+      )
+      ax.plot(steps, _floored(r.curves["state_diff"]), ":", color=color, lw=1.0)
+    tolerances = sorted({r.param_rtol for r in runs} | {r.state_rtol for r in runs})
+    for tolerance in tolerances:
+      ax.axhline(tolerance, color="tab:red", ls="--", lw=1.0)
+    ax.set_yscale("log")
+    top = max(tolerances) * 30
+    ax.plot(skipped, [top / 3] * len(skipped), "|", color="tab:red", ms=6, mew=1.0)
+    ax.set_ylim(_STEP_FLOOR / 3, top)
+    ticks = [_STEP_FLOOR, 1e-8, 1e-6, 1e-4, 1e-2]
+    ax.set_yticks([y for y in ticks if y < max(tolerances) * 30])
+    ax.set_yticklabels(["\u22641e-10" if y == _STEP_FLOOR else f"{y:.0e}" for y in ax.get_yticks()])
+    ax.tick_params(labelsize=7)
+    ax.minorticks_off()
+    ax.set_xlim(0.5, runs[0].steps + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    exact = all(r.scale_match and r.tracker_match and r.skips_match for r in runs)
+    verdict = "PASS" if all(r.passed for r in runs) else "FAIL"
+    ax.set_title(
+      f"{name}: {verdict}\nscale, tracker, skips ({len(skipped)} of {runs[0].steps}): "
+      + ("equal" if exact else "DIFFER"),
+      fontsize=8,
+      color="black" if verdict == "PASS" else "tab:red",
+    )
+  handles = [
+    plt.Line2D([], [], color=c, label=f"jaxamp {_API_NAMES[api]}: parameters")
+    for api, (_, c) in _API_STYLE.items()
+  ]
+  handles += [
+    plt.Line2D([], [], color=c, ls=":", label=f"jaxamp {_API_NAMES[api]}: optimizer state")
+    for api, (_, c) in _API_STYLE.items()
+  ]
+  handles += [
+    plt.Line2D([], [], color="tab:red", ls="--", label="tolerance"),
+    plt.Line2D([], [], ls="", marker="|", color="tab:red", label="skipped step"),
+  ]
+  fig.legend(
+    handles=handles,
+    loc="upper center",
+    ncol=6,
+    fontsize=9,
+    frameon=False,
+    bbox_to_anchor=(0.5, 1 - 0.22 / (0.6 + 2.1 * rows)),
+  )
+  fig.suptitle(
+    "Relative difference from torch after each step (max |jaxamp - torch| / max |torch| "
+    "over each tensor; 0 drawn at the bottom)",
+    fontsize=11,
+    y=1 - 0.02 / (0.6 + 2.1 * rows),
+  )
+  fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (0.6 + 2.1 * rows)), h_pad=1.2)
+  fig.savefig(path, dpi=72)
   plt.close(fig)
