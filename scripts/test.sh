@@ -2,21 +2,25 @@
 # The test suite, run against the package as it ships: builds the sdist and the
 # wheel (python -m build: the wheel is built from the sdist), checks them
 # (scripts/check_dist.py: py.typed, no tests or benchmarks, the version), installs
-# the WHEEL with the test extra into .venv-wheel, and runs the whole suite (tests/
+# the test extra and then the WHEEL into .venv, and runs the whole suite (tests/
 # and the doctests of the installed jaxamp/) from a copy of the repository without
 # jaxamp/, so that `import jaxamp` can only find the installed package (checked:
-# JAXAMP_EXPECT_INSTALLED makes tests/test_packaging.py assert it).
+# JAXAMP_EXPECT_INSTALLED makes tests/test_packaging.py assert it). The tests run
+# in parallel, one pytest-xdist worker per CPU core (at most 8).
 #
-# One command for both purposes: CI (.ci/run, a clean checkout, so .venv-wheel is
-# created from scratch) runs exactly this, the README's test command, and so
-# tests the wheel once instead of the checkout and then the wheel. Locally
-# .venv-wheel is kept between runs and jaxamp is reinstalled from the new wheel
-# each time. Arguments go to pytest, relative to the repository root
-# (bash scripts/test.sh tests/test_readme.py -x).
+# .venv is the environment of parity.sh and lint.sh too (scripts/_venv.sh): torch
+# is installed once. This command replaces their editable install of jaxamp with
+# the wheel; they put it back. CI (.ci/run, a clean checkout) runs exactly this,
+# the README's test command.
+#
+# Arguments go to pytest. Without a path among them they apply to the whole suite:
+# `bash scripts/test.sh -m "not slow"` is the contributors' inner loop
+# (docs/contributing.md). A path (a file or directory of the repository, or a test
+# id in one) runs just that: `bash scripts/test.sh tests/test_readme.py -x`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-venv="$root/.venv-wheel"
+venv="$root/.venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
@@ -31,12 +35,16 @@ trap 'rm -rf "$work"' EXIT
 "$venv/bin/python" scripts/check_dist.py "$work/dist"
 wheel="$(ls "$work"/dist/*.whl)"
 "$venv/bin/python" -m pip install --quiet "$wheel[test]"
+# pip keeps an installed jaxamp of the same version (the editable one of parity.sh,
+# or an older wheel): replace it with this wheel.
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
 
-# The repository's files but jaxamp/ (git's list where there is one).
+# The repository's files but jaxamp/ (git's list where there is one), and no
+# virtual environment (an old .venv-wheel, now unused, is not ignored by git).
 mkdir "$work/repo"
 if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  git -C "$root" ls-files -z --cached --others --exclude-standard | grep -zv '^jaxamp/' |
+  git -C "$root" ls-files -z --cached --others --exclude-standard |
+    grep -zv -e '^jaxamp/' -e '^\.venv' |
     (cd "$root" && xargs -0 cp --parents -t "$work/repo" 2>/dev/null || true)
 else
   tar -C "$root" --exclude=./jaxamp --exclude='./.venv*' -cf - . | tar -C "$work/repo" -xf -
@@ -49,18 +57,22 @@ fi
 cd "$work/repo"
 # -P: not the current directory first on sys.path; there is no jaxamp/ here anyway.
 installed="$("$venv/bin/python" -P -c 'import jaxamp, os; print(os.path.dirname(jaxamp.__file__))')"
-run_pytest() {
-  JAXAMP_EXPECT_INSTALLED="$installed" "$venv/bin/python" -m pytest -p no:cacheprovider \
-    --rootdir "$work/repo" "$@"
-}
-if [ "$#" -gt 0 ]; then
-  run_pytest "$@"
-else
-  # The whole suite: tests/, then the doctests of the installed jaxamp/. Two runs:
-  # given both paths at once, pytest reaches site-packages through .venv-wheel,
-  # a directory it does not recurse into (norecursedirs '.*'), and collects none.
-  status=0
-  run_pytest tests || status=$?
-  run_pytest "$installed" || status=$((status ? status : $?))
-  exit "$status"
+
+# A path among the arguments: pytest runs what it names. None: the whole suite,
+# tests/ and the installed jaxamp/ (its doctests), with the arguments as options.
+paths=()
+for arg in "$@"; do
+  if [ -e "$work/repo/${arg%%::*}" ]; then
+    paths=("$arg")
+    break
+  fi
+done
+if [ "${#paths[@]}" -eq 0 ]; then
+  set -- tests "$installed" "$@"
 fi
+workers="$("$venv/bin/python" -c 'import os; print(min(8, len(os.sched_getaffinity(0))))')"
+# -c: pytest would look for its configuration above the arguments' common
+# directory, which is not the copy once the installed jaxamp/ is one of them.
+# Not exec: the trap removes $work when pytest is done.
+JAXAMP_EXPECT_INSTALLED="$installed" "$venv/bin/python" -m pytest -p no:cacheprovider \
+  -c "$work/repo/pyproject.toml" --rootdir "$work/repo" -n "$workers" "$@"
