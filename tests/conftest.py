@@ -28,3 +28,22 @@ def backend_compiles():
   monitoring.register_event_duration_secs_listener(listener)
   yield compiles
   monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+  """Marks ``slow`` what the inner loop (``-m "not slow"``, docs/contributing.md) leaves
+  out besides the tests marked by hand: the fuzzers, and every parameter set of a
+  parametrized test but its first, so that each test function still runs once.
+
+  ``tryfirst``: the marks must be set before pytest's own ``-m`` selection reads them.
+  """
+  seen = set()
+  for item in items:
+    if item.get_closest_marker("fuzz"):
+      item.add_marker(pytest.mark.slow)
+    if getattr(item, "callspec", None) is not None:
+      function = item.nodeid.split("[", 1)[0]
+      if function in seen:
+        item.add_marker(pytest.mark.slow)
+      seen.add(function)

@@ -209,6 +209,7 @@ def _run_both(model, half):
   return theirs, ours, depth
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -266,6 +267,7 @@ def test_linear_and_conv_round_once_as_torch(model, half):
     assert equal >= 0.99, (name, equal)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_linear_gradients_are_torchs_bit_for_bit():
   torch = _torch()
@@ -296,6 +298,7 @@ def _mlp_loss(p, x, y):
   return mlp_jax(p, x, y)["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("front_end", ["grad_scaler", "optax"])
 def test_training_matches_torch_autocast_and_grad_scaler(front_end):
@@ -455,6 +458,7 @@ def _sum_f32(f):
   return lambda w, x: jnp.sum(f(w, x).astype(jnp.float32) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(NESTED))
 def test_nested_jaxprs_dtypes_and_gradients_match_hand_casts(name):
   f, hand = NESTED[name]
@@ -469,6 +473,7 @@ def test_nested_jaxprs_dtypes_and_gradients_match_hand_casts(name):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_relu_gradient_at_zero_is_its_custom_rule():
   # jax.nn.relu's custom jvp gives 0 at 0 (a plain max would give 1/2): the rule survives
   g = jax.grad(lambda x: jaxamp.autocast(lambda x: jax.nn.relu(x @ jnp.eye(2)).sum())(x))
@@ -511,6 +516,7 @@ def _mlp_params():
   return {k: jnp.asarray(v) for k, v in _weights(MLP).items()}
 
 
+@pytest.mark.slow
 def test_composes_with_jit_grad_vmap():
   p = _mlp_params()
   x, y = (jnp.asarray(a) for a in _mlp_data(np.random.default_rng(7)))
@@ -529,6 +535,7 @@ def test_composes_with_jit_grad_vmap():
   np.testing.assert_allclose(np.asarray(inside), np.asarray(per_example), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_composes_with_flax_nnx_modules_and_nnx_jit():
   nnx = pytest.importorskip("flax.nnx")
   model = nnx.Sequential(
@@ -607,6 +614,7 @@ def test_cuda_policy_keeps_torch_cuda_float32_ops_in_float32():
   }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_composes_with_a_linen_apply():
   nn = pytest.importorskip("flax.linen")
   net = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
@@ -619,6 +627,7 @@ def test_composes_with_a_linen_apply():
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(g))
 
 
+@pytest.mark.slow
 def test_shard_map_runs_as_written_in_float32():
   mesh = jax.make_mesh((1,), ("data",))
   P = jax.sharding.PartitionSpec
@@ -635,6 +644,7 @@ def test_shard_map_runs_as_written_in_float32():
   assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
 
 
+@pytest.mark.slow
 def test_nnx_module_state_updates_as_without_autocast():
   nnx = pytest.importorskip("flax.nnx")
   x = jnp.asarray(np.random.default_rng(9).standard_normal((6, 4)).astype(np.float32))
@@ -828,6 +838,7 @@ PROMOTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
 def test_masks_ints_and_python_scalars_promote_as_torch(half):

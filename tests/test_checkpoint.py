@@ -64,6 +64,7 @@ def _start():
   return np.array([0.5, 0.25], np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_resumes_from_torch_state_dict_matches_torch(tmp_path):
   t_scaler = torch.amp.GradScaler("cpu", init_scale=3.0, **HYPER)
@@ -337,6 +338,7 @@ def _nnx_step(model, optimizer, x, y, inject):
   optimizer.update(model, grads)
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_of_nnx_optimizer_resumes_bit_identically(tmp_path):
   rng = np.random.default_rng(0)
   batches = [

@@ -42,6 +42,8 @@ VARIANTS = ("nnx", "linen", "scaler")
 STEPS, SAVE_EVERY = 40, 5  # as in the worker (checked against its logs below)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary-directory suffix
 TIMEOUT = 240
+# Twelve processes of 40 steps each: a long run, outside the inner loop.
+pytestmark = pytest.mark.slow
 
 
 def _plan(variant: str) -> tuple[int, int]:

@@ -132,6 +132,7 @@ def test_dynamic_loss_scale_axis_name_raises_under_pmap_over_another_axis():
     step(params, state)
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_axis_name_on_one_device_equals_no_axis_name():
   mesh = _one_device_mesh()
   params = _sharded_params(mesh)
@@ -260,6 +261,7 @@ JIT_RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", JIT_RUNS)
 def test_dynamic_loss_scale_jit_sharded_skips_every_shard_on_inf_in_one_shard(devices, run):
   steps = _check(devices, run)["steps"]
@@ -278,6 +280,7 @@ def test_dynamic_loss_scale_jit_sharded_skips_every_shard_on_inf_in_one_shard(de
       assert step["mu_after"] == step["mu_before"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", JIT_RUNS)
 def test_dynamic_loss_scale_jit_sharded_keeps_param_shardings_and_replicates_state(devices, run):
   result = _check(devices, run)
@@ -306,6 +309,7 @@ def test_dynamic_loss_scale_jit_sharded_keeps_param_shardings_and_replicates_sta
       assert specs[field] == "P()", field
 
 
+@pytest.mark.slow
 def test_accumulate_gradients_in_an_explicit_mesh_skips_the_window_with_inf(devices):
   # The window's held steps return zeros typed as the updates, Explicit
   # sharding included (jax.set_mesh makes it part of the type).
@@ -321,6 +325,7 @@ def test_accumulate_gradients_in_an_explicit_mesh_skips_the_window_with_inf(devi
 # shard_map over 8 devices
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_shard_map_axis_name_all_devices_skip_on_inf_on_one_device(devices):
   steps = _check(devices, "shard_map_axis_name")["steps"]
   assert len(steps) == 4
@@ -336,12 +341,14 @@ def test_dynamic_loss_scale_shard_map_axis_name_all_devices_skip_on_inf_on_one_d
         assert all(after[d] != before[d] for d in DEVICES), (i, leaf)
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_shard_map_axis_name_state_can_be_returned_replicated(devices):
   result = _check(devices, "shard_map_replicated_out_axis_name")
   assert result["error"] is None
   assert result["scale_per_device"] == {d: [2.0] for d in DEVICES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "check", ["shard_map_no_axis_name", "shard_map_replicated_out_no_axis_name"]
 )
@@ -359,6 +366,7 @@ def test_dynamic_loss_scale_shard_map_without_axis_name_is_refused(devices, chec
   assert "Build it with axis_name='data'" in text
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_shard_map_pmean_gradients_agree_without_axis_name(devices):
   # Gradients all-reduced before the update carry the inf to every device.
   result = _check(devices, "shard_map_pmean_no_axis_name")
@@ -367,6 +375,7 @@ def test_dynamic_loss_scale_shard_map_pmean_gradients_agree_without_axis_name(de
   assert result["params_after"] == result["params_before"]
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_shard_map_2d_mesh_needs_every_varying_axis(devices):
   # (4, 2) mesh, inf on the device at data=2, model=1.
   both = _check(devices, "mesh_2d_both_axes")
@@ -377,6 +386,7 @@ def test_dynamic_loss_scale_shard_map_2d_mesh_needs_every_varying_axis(devices):
   assert data_only["scale"] == [[4.0, 2.0]] * 4
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_shard_map_errors_on_8_devices(devices):
   errors = _check(devices, "shard_map_errors")
   unbound = errors["unbound_axis_in_shard_map"]
@@ -391,6 +401,7 @@ def test_dynamic_loss_scale_shard_map_errors_on_8_devices(devices):
 # pmap over 8 devices
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_pmap_axis_name_all_devices_skip_on_inf_on_one_device(devices):
   assert devices["has_pmap"], "jax.pmap is gone: update docs/distributed.md and this test"
   result = _check(devices, "pmap_axis_name")
@@ -399,6 +410,7 @@ def test_dynamic_loss_scale_pmap_axis_name_all_devices_skip_on_inf_on_one_device
   assert result["params_after"] == result["params_before"]
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_pmap_without_axis_name_devices_diverge(devices):
   result = _check(devices, "pmap_no_axis_name")
   assert result["found_inf_per_device"] == [d == 5 for d in range(8)]
@@ -408,6 +420,7 @@ def test_dynamic_loss_scale_pmap_without_axis_name_devices_diverge(devices):
     assert (after[i] == before[i]) == (i // 2 == 5), i
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_pmap_unbound_axis_raises(devices):
   error = _check(devices, "pmap_unbound")
   assert error["type"] == "ValueError"
@@ -434,6 +447,7 @@ def _assert_processes_agree(histories):
     assert [h[key] for h in first] == [h[key] for h in second], key
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_two_processes_data_parallel_skip_same_steps(
   jax_processes, torch_fixtures
 ):
@@ -457,6 +471,7 @@ def test_dynamic_loss_scale_two_processes_data_parallel_skip_same_steps(
       assert changed == (i not in dc.INF_STEPS), i
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_two_processes_sharded_axis_name_all_skip(jax_processes, torch_fixtures):
   # ZeRO-style: the inf lands in process 0's half of the gradient only.
   iters = _scenario_fixture(torch_fixtures)
@@ -470,6 +485,7 @@ def test_dynamic_loss_scale_two_processes_sharded_axis_name_all_skip(jax_process
       assert (h["params_after"] != h["params_before"]) == (i not in dc.INF_STEPS), i
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_two_processes_sharded_without_axis_name_diverge(jax_processes):
   first, second = (r["history"] for r in _mode(jax_processes, "sharded_no_axis_name"))
   assert [i for i, h in enumerate(first) if h["found_inf"]] == list(dc.INF_STEPS)
@@ -481,6 +497,7 @@ def test_dynamic_loss_scale_two_processes_sharded_without_axis_name_diverge(jax_
     assert _largest(history[-1]["params_after"]) > 1e3
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_two_processes_sharded_axis_name_params_stay_small(jax_processes):
   for result in _mode(jax_processes, "sharded_axis_name"):
     assert _largest(result["history"][-1]["params_after"]) < 2.0
@@ -508,6 +525,7 @@ RUN_DOC = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [1, 8])
 def test_distributed_doc_python_examples_run(count):
   proc = subprocess.run(
@@ -527,6 +545,7 @@ def test_distributed_doc_python_examples_run(count):
 # torch DistributedDataParallel (gloo) and torch.amp.GradScaler, two processes
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_dynamic_loss_scale_two_processes_data_parallel_matches_torch(jax_processes, tmp_path):
   torch_ranks = _run_pair("torch-worker", tmp_path)

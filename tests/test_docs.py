@@ -48,6 +48,7 @@ def test_docs_every_python_block_is_run_by_a_test():
     assert pathlib.Path(name).name in (ROOT / test.split("::")[0]).read_text(), (name, test)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUN_HERE)
 def test_docs_python_blocks_run_in_order(name):
   pytest.importorskip("flax")

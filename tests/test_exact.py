@@ -31,6 +31,7 @@ def _assert_bit_equal(actual, expected):
   assert bad.size == 0, f"{bad.size} mismatches, e.g. {actual[bad[:5]]} vs {expected[bad[:5]]}"
 
 
+@pytest.mark.slow
 def test_multiply_exact_matches_float64_reference_on_random_pairs():
   rng = np.random.default_rng(20261130)
   n = 50_000
@@ -108,6 +109,7 @@ def test_multiply_exact_traced_factor_uses_its_own_value(dtype):
   _assert_bit_equal(actual, _reference(scales, factors))
 
 
+@pytest.mark.slow
 def test_multiply_exact_python_float_equals_word_path():
   # A Python float factor goes through the same unpacking as the word path.
   for factor in (0.3, 1.5, 1.1, 0.9, 1e-30, 7.0):
@@ -117,6 +119,7 @@ def test_multiply_exact_python_float_equals_word_path():
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.slow
 def test_multiply_exact_rounds_twice_like_torch_near_float32_ties():
   # torch rounds the float64 product, then casts to float32. Where the float64
   # product lands on a float32 tie this differs from rounding once (docs/torch_semantics.md §5.4:
@@ -153,6 +156,7 @@ def _round_once_to_f32(scale, factor):
   )
 
 
+@pytest.mark.slow
 def test_multiply_exact_in_x64_mode_with_float64_factor():
   # With jax_enable_x64, int sums would default to int64; the emulation must
   # stay int32, and a float64 factor array is used with its full value.
@@ -164,6 +168,7 @@ def test_multiply_exact_in_x64_mode_with_float64_factor():
       assert float(result) == 2.3343682289123535  # torch (docs/torch_semantics.md §5.4)
 
 
+@pytest.mark.slow
 def test_multiply_exact_either_selects_the_factor_before_multiplying():
   from jaxamp._torch.exact import multiply_exact_either
 
@@ -181,6 +186,7 @@ def test_multiply_exact_either_selects_the_factor_before_multiplying():
       assert np.asarray(either).tobytes() == np.asarray(direct).tobytes()
 
 
+@pytest.mark.slow
 def test_power_of_two_factors_match_float64_reference_on_every_kind_of_scale():
   # torch's default factors, 2.0 and 0.5, take the short path: every float32
   # class (subnormal, normal, near overflow, zero, inf, NaN, both signs) and
@@ -205,6 +211,7 @@ def test_power_of_two_factors_match_float64_reference_on_every_kind_of_scale():
     assert _power_of_two_exponent(factor) is None
 
 
+@pytest.mark.slow
 def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
   # XLA CPU runs with denormals-are-zero, and LLVM rewrites the integer test
   # `bits & 0x7FFFFFFF != 0` of a bitcast float as `x != 0.0` where the select
@@ -228,6 +235,7 @@ def test_bit_tests_of_a_subnormal_hold_in_a_fused_kernel():
     _assert_bit_equal(jax.jit(kernel)(subnormal, jnp.bool_(True)), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factor", [0.3, 2.0, 0.5, 1e-30])
 def test_every_nan_scale_stays_nan(factor):
   # Signalling NaNs included: 0x7F800001 differs from inf's bits in the lowest bit only.

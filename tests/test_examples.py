@@ -16,6 +16,7 @@ def import_example(monkeypatch):
   return importlib.import_module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name, flags",
   [("nnx_digits", []), ("nnx_digits", ["--autocast"]), ("linen_digits", [])],
@@ -33,6 +34,7 @@ def test_examples_digits_trains_and_writes_png(name, flags, import_example, tmp_
   assert "test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_examples_underflow_study_writes_markdown_table(import_example, tmp_path):
   out = tmp_path / "underflow.md"
   args = ["--steps", "12", "--depths", "2", "--measure-every", "4", "--out", str(out)]

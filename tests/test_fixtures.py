@@ -57,6 +57,7 @@ def _precision(fixture):
   return jax.enable_x64(True) if "float64" in fixture["param_dtype"] else contextlib.nullcontext()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_dynamic_loss_scale_scales_trackers_and_unscaled_grads_match_torch_fixture(
   name, torch_fixtures

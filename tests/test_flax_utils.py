@@ -67,6 +67,7 @@ def _linen_loss_fn(state):
 # ---------------------------------------------------------------- values
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_returns_unscaled_loss_and_scaled_grads_nnx():
   model, optimizer = _nnx_setup()
   loss, grads = flax_utils.scaled_value_and_grad(_nnx_loss, optimizer)(model, X, Y)
@@ -88,6 +89,7 @@ def test_scaled_value_and_grad_returns_unscaled_loss_and_scaled_grads_linen():
     np.testing.assert_array_equal(got, 8.0 * plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_value_and_grad_matches_hand_scaled_loss_low_precision(dtype):
   model, optimizer = _nnx_setup(dtype)
@@ -112,6 +114,7 @@ def test_scaled_value_and_grad_returns_aux_and_differentiates_argnums():
   assert jax.tree.structure(grads) == jax.tree.structure(state.params)
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_accepts_bfloat16_loss():
   model, optimizer = _nnx_setup(jnp.bfloat16)
 
@@ -134,6 +137,7 @@ def test_scaled_value_and_grad_accepts_bare_optax_state():
 # ---------------------------------------------------------------- jit, no recompile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_value_and_grad_nnx_jit_traces_once(dtype):
   model, optimizer = _nnx_setup(dtype)
@@ -159,6 +163,7 @@ def test_scaled_value_and_grad_nnx_jit_traces_once(dtype):
   assert int(optimizer.step[...]) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_value_and_grad_linen_jit_traces_once(dtype):
   state = _linen_state(dtype)
@@ -185,6 +190,7 @@ def test_scaled_value_and_grad_linen_jit_traces_once(dtype):
   assert int(metrics["skipped_steps"]) == 0
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_reads_the_current_scale_under_jit():
   # growth_interval=1 doubles the scale every step; lr 0 keeps the params fixed,
   # so each step's grads must be exactly twice the previous step's.
@@ -207,6 +213,7 @@ def test_scaled_value_and_grad_reads_the_current_scale_under_jit():
 # ---------------------------------------------------------------- metrics
 
 
+@pytest.mark.slow
 def test_loss_scale_metrics_reports_a_skipped_step_nnx():
   model, optimizer = _nnx_setup(
     jnp.float16,
@@ -275,6 +282,7 @@ def _assert_same_update(ours, flax_own, skipped, before):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_update_matches_nnx_optimizer_update(dtype):
   models = [_nnx_setup(dtype, _adam_tx()) for _ in range(2)]
@@ -305,6 +313,7 @@ def test_update_matches_nnx_optimizer_update(dtype):
   assert int(o0.opt_state.skipped_steps[...]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_gradients_matches_train_state_apply_gradients(dtype):
   # step as an int32 array from the start (TrainState.create gives a Python
@@ -337,6 +346,7 @@ def test_apply_gradients_matches_train_state_apply_gradients(dtype):
   assert steps[0]._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_apply_gradients_replaces_extra_fields_and_overwrites_with_gradient():
   from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
@@ -357,6 +367,7 @@ def test_apply_gradients_replaces_extra_fields_and_overwrites_with_gradient():
   assert int(ours.note) == 7
 
 
+@pytest.mark.slow
 def test_apply_gradients_with_donated_state_compiles_without_copies():
   shapes = [(64, 33), (37,), (8, 8, 3)]
   params = {f"p{i}": jnp.ones(s) for i, s in enumerate(shapes)}
@@ -418,6 +429,7 @@ def test_scaled_value_and_grad_rejects_integer_loss():
     flax_utils.scaled_value_and_grad(lambda p: jnp.int32(3), opt_state)(params)
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_rejects_float16_loss_with_fix():
   model, optimizer = _nnx_setup(jnp.float16)
 

@@ -105,6 +105,7 @@ INF_STEPS = (2, 5, 6)
 KWARGS = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_basic_loop_matches_torch():
   model = _torch_model()
@@ -239,6 +240,7 @@ def test_grad_scaler_two_optimizers_loop_matches_torch():
   assert t_scaler.get_scale() == 256.0
 
 
+@pytest.mark.slow
 def test_grad_scaler_multiple_optimizers_spec_table():
   """docs/torch_semantics.md §5.6: per-optimizer skips, one backoff however many optimizers saw inf."""
   scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=2)
@@ -286,6 +288,7 @@ def test_grad_scaler_untouched_optimizer_keeps_scaled_grads():
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(0.01)], ids=["sgd", "adam"])
 def test_grad_scaler_matches_dynamic_loss_scale(inner):
   kwargs = {"init_scale": 3.0, "growth_factor": 1.5, "backoff_factor": 0.3, "growth_interval": 2}
@@ -509,6 +512,7 @@ def test_grad_scaler_stage_survives_a_jit_boundary():
   assert scaler.get_scale() == 4.0 and scaler._get_growth_tracker() == 1
 
 
+@pytest.mark.slow
 def test_grad_scaler_jitted_loop_has_no_transfers_and_compiles_once():
   injections = [jnp.float32(v) for v in (1, 1, jnp.inf, 1, 1, jnp.nan, 1, 1)]
   scaler, opt, scales, traces = jitted_unscale_loop(
@@ -730,6 +734,7 @@ def test_grad_scaler_rejects_a_non_jaxamp_optimizer():
     scaler.step(optax.sgd(0.1))
 
 
+@pytest.mark.slow
 def test_grad_scaler_eager_loop_compiles_nothing_after_the_first_iteration(backend_compiles):
   # A torch loop ported line by line runs outside jit: scaler.step's
   # lax.cond is jitted once per optimizer and shapes, not every iteration.

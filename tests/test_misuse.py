@@ -1152,6 +1152,7 @@ def _donating_steps(max_consecutive_skips):
   return tx, params, tx.init(params)
 
 
+@pytest.mark.slow
 def test_skip_limit_in_a_donating_checkified_step_leaves_valid_params_and_state():
   # The README's pattern, step(params, opt_state, grads) -> (params, opt_state)
   # with donate_argnums=(0, 1), checkified as docs/protections.md says: the
@@ -1201,6 +1202,7 @@ def test_skip_limit_under_checkify_is_an_error_value_in_every_form(front_end):
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.slow
 def test_skip_limit_under_vmap_reports_the_member_that_reached_it():
   tx = _tx(max_consecutive_skips=1)
   params = _params()
@@ -1243,6 +1245,7 @@ def _plain_optax_reference(inner, params, grads, scale):
   return optax.apply_updates(params, updates), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["tx.update", "apply_scaled_updates", "GradScaler"])
 def test_mixed_dtype_params_with_injected_adam_work_as_plain_optax(api):
   inner, params, grads = _mixed()
@@ -1276,6 +1279,7 @@ def test_mixed_dtype_params_with_injected_adam_work_as_plain_optax(api):
 # Two threads sharing one GradScaler
 
 
+@pytest.mark.slow
 def test_two_threads_sharing_a_grad_scaler_are_counted_or_refused():
   scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=10**6)
   errors = []
@@ -1382,6 +1386,7 @@ def _eager_grad_scaler_with_skip_limit():
   return call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "make",
   [
@@ -1508,6 +1513,7 @@ def shard_map_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["asu_other", "flax_other"])
 def test_shard_map_mismatched_axis_name_is_refused(shard_map_results, key):
   line = shard_map_results[key]
@@ -1515,6 +1521,7 @@ def test_shard_map_mismatched_axis_name_is_refused(shard_map_results, key):
   assert re.search(r"axis_name='other' but .*axis_name='data'", line), line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["asu_default", "asu_same", "tx_update"])
 def test_shard_map_inf_on_one_device_skips_on_all(shard_map_results, key):
   result = shard_map_results[key]
@@ -1523,6 +1530,7 @@ def test_shard_map_inf_on_one_device_skips_on_all(shard_map_results, key):
   assert set(result["scales"]) == {2.0}
 
 
+@pytest.mark.slow
 def test_shard_map_per_device_gradients_without_axis_name_are_refused(shard_map_results):
   # Each device would check only its own gradients and skip on its own.
   result = shard_map_results["no_axis"]

@@ -65,6 +65,7 @@ def _deepspeed_reference(init, factor, window, hysteresis, consecutive, flags):
 FLAGS = [1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.slow
 @front_ends
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 @pytest.mark.parametrize("consecutive", [False, True])
@@ -125,6 +126,7 @@ def test_min_loss_scale_floors_backoff(front_end):
   assert _scales(steps) == [4.0, 2.0, 2.0, 2.0]
 
 
+@pytest.mark.slow
 @front_ends
 def test_min_loss_scale_unset_lets_the_scale_collapse_to_zero(front_end):
   # Without it the scale collapses (torch): 8 * 0.5**200 is 0.
@@ -132,6 +134,7 @@ def test_min_loss_scale_unset_lets_the_scale_collapse_to_zero(front_end):
   assert float(steps[-1].loss_scale) == 0.0
 
 
+@pytest.mark.slow
 @front_ends
 def test_max_loss_scale_caps_growth(front_end):
   options = {"init_scale": 4.0, "growth_interval": 1, "growth_factor": 3.0, "max_loss_scale": 30.0}
@@ -147,6 +150,7 @@ def test_default_options_keep_torchs_trajectory_a(front_end):
   assert [s.hysteresis_tracker for s in steps] == [1] * 16
 
 
+@pytest.mark.slow
 @front_ends
 def test_skip_counters_count_skipped_steps_and_updates(front_end):
   # optax: skipped_steps, consecutive_skipped_steps; GradScaler: the *_updates twins.
@@ -157,6 +161,7 @@ def test_skip_counters_count_skipped_steps_and_updates(front_end):
   assert all(s.skipped.dtype == jnp.int32 for s in steps)
 
 
+@pytest.mark.slow
 @front_ends
 def test_max_consecutive_skips_raises_from_a_jitted_step(front_end):
   options = {"init_scale": 8.0, "max_consecutive_skips": 3}
@@ -183,6 +188,7 @@ def test_detect_unscale_overflow_skips_only_when_enabled(front_end, detect):
   assert s.nonfinite_leaf_paths == (["['w']"] if detect else [])
 
 
+@pytest.mark.slow
 @front_ends
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-3)], ids=["sgd", "adam"])
 def test_nonfinite_leaf_paths_name_the_leaves_of_the_last_skipped_step(front_end, inner):
@@ -262,6 +268,7 @@ def test_dynamic_loss_scale_nonfinite_leaf_paths_empty_before_a_skip_and_checks_
     jaxamp.ops.nonfinite_leaf_paths(state, {"w": jnp.ones(2)})
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_options_inside_inject_hyperparams():
   tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
     optax.sgd(0.1),
@@ -395,6 +402,7 @@ OPTION_SETS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTION_SETS))
 def test_grad_scaler_matches_dynamic_loss_scale_with_options(name):
   kwargs = OPTION_SETS[name]
@@ -476,6 +484,7 @@ def test_grad_scaler_update_new_scale_leaves_hysteresis_and_counters():
   assert scaler.get_scale() == 16.0
 
 
+@pytest.mark.slow
 def test_grad_scaler_state_dict_keeps_torch_keys_and_load_keeps_option_state():
   scaler, opt = _started(init_scale=8.0, hysteresis=3, min_loss_scale=1.0)
   scaler, opt = _iteration(scaler, opt, _flagged(True))

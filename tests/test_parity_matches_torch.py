@@ -40,6 +40,7 @@ def _run(name: str, api: str) -> engine.Result:
   return engine.run(scenarios.REGISTRY[name], api)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,api", RUNS)
 def test_parity_scenario_matches_torch(scenario, api):
   result = _run(scenario.name, api)
@@ -188,6 +189,7 @@ def _blind_to_inf(inner, **kwargs):
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
+@pytest.mark.slow
 def test_parity_detects_a_float32_scale_update(monkeypatch):
   monkeypatch.setattr(jaxamp, "dynamic_loss_scale", _float32_factors)
   result = engine.run(scenarios.REGISTRY["linear_non_dyadic"], "optax")
@@ -197,6 +199,7 @@ def test_parity_detects_a_float32_scale_update(monkeypatch):
   assert result.failures[0].startswith("step 9: scale")
 
 
+@pytest.mark.slow
 def test_parity_detects_unscaling_by_division(monkeypatch):
   def divide(grads, loss_scale):
     return jax.tree.map(lambda g: g / loss_scale, grads), ~jaxamp.ops.all_finite(grads)
@@ -207,6 +210,7 @@ def test_parity_detects_unscaling_by_division(monkeypatch):
   assert result.scale_match and result.skips_match
 
 
+@pytest.mark.slow
 def test_parity_detects_a_missed_skip(monkeypatch):
   monkeypatch.setattr(jaxamp, "dynamic_loss_scale", _blind_to_inf)
   result = engine.run(scenarios.REGISTRY["linear_trajectory_a"], "optax")
@@ -215,6 +219,7 @@ def test_parity_detects_a_missed_skip(monkeypatch):
   assert any("step 4: skip decisions" in f for f in result.failures)
 
 
+@pytest.mark.slow
 def test_parity_detects_schedules_that_pause_on_skipped_steps():
   # schedule_counts="applied" (optax's default): after the four skipped first
   # steps the warmup is four steps behind torch's LambdaLR.
@@ -226,6 +231,7 @@ def test_parity_detects_schedules_that_pause_on_skipped_steps():
   assert result.failures[0].startswith("step 4: parameter")
 
 
+@pytest.mark.slow
 def test_parity_detects_optax_clipping_formula():
   # optax.clip_by_global_norm's max_norm / norm against torch's max_norm / (norm + 1e-6):
   # 2.5e-4 apart at these small norms, caught in the momentum buffers.
@@ -234,6 +240,7 @@ def test_parity_detects_optax_clipping_formula():
   assert not result.passed and result.max_state_diff > 1e-4
 
 
+@pytest.mark.slow
 def test_parity_schedule_check_catches_torchs_formula_in_float32(monkeypatch):
   # OneCycleLR's cosine written as torch writes it, evaluated in float32, cancels
   # near the phase ends: the check before training reports it.
@@ -248,6 +255,7 @@ def test_parity_schedule_check_catches_torchs_formula_in_float32(monkeypatch):
   assert worst > engine.SCHEDULE_RTOL and what.startswith("lr at step")
 
 
+@pytest.mark.slow
 def test_parity_resume_loads_the_other_frameworks_checkpoint(monkeypatch):
   calls = []
   original = engine.TorchRun.resume
@@ -318,6 +326,7 @@ def test_parity_cli_without_torch_is_a_clear_error(tmp_path):
   assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_parity_cli_writes_table_json_and_png(tmp_path, capsys):
   out_json, out_png = tmp_path / "r" / "results.json", tmp_path / "p" / "curves.png"
   code = cli.main(
@@ -343,6 +352,7 @@ def test_parity_cli_writes_table_json_and_png(tmp_path, capsys):
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_parity_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
   monkeypatch.setattr(jaxamp, "dynamic_loss_scale", _float32_factors)
   code = cli.main(
@@ -395,6 +405,7 @@ def test_parity_flush_to_zero_model_keeps_a_subnormal_reciprocal():
   assert involved.all()  # the reciprocal is subnormal: every element is marked
 
 
+@pytest.mark.slow
 def test_parity_subnormal_scenarios_are_flagged_not_hidden():
   for name in ("linear_backoff_to_zero", "vector_subnormal_scale"):
     result = engine.run(scenarios.REGISTRY[name], "optax")

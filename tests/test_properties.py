@@ -240,6 +240,7 @@ def _check(run, params, steps, config, *, no_grads_is_torch_error=False):
   assert int(got_tracker) == want_tracker
 
 
+@pytest.mark.slow
 @PROFILE
 @given(cases())
 def test_dynamic_loss_scale_is_torch_or_refuses(case):
@@ -247,6 +248,7 @@ def test_dynamic_loss_scale_is_torch_or_refuses(case):
   _check(_run_dynamic_loss_scale, params, steps, config)
 
 
+@pytest.mark.slow
 @PROFILE
 @given(cases())
 def test_grad_scaler_is_torch_or_refuses(case):

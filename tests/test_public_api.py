@@ -24,6 +24,7 @@ def test_public_api_top_level_is_what_a_training_loop_uses():
     assert not hasattr(jaxamp, name), f"jaxamp.{name} should only be jaxamp.ops.{name}"
 
 
+@pytest.mark.slow
 def test_public_api_core_imports_without_flax_or_torch():
   code = (
     "import sys; sys.modules['flax'] = None; sys.modules['torch'] = None\n"

@@ -166,6 +166,7 @@ def test_update_loss_scale_growth_cap():
   assert trackers == [1, 0, 1, 0]
 
 
+@pytest.mark.slow
 def test_update_loss_scale_traced_hyperparameters_match_static():
   flags = jnp.array([0, 0, 1, 0, 0, 0, 1, 1, 0, 0], bool)
 

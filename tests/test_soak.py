@@ -158,6 +158,7 @@ def _injected(base_a, base_b, code):
   return {"a": a, "b": b}
 
 
+@pytest.mark.slow
 def test_optax_form_soak_100k_steps_matches_torch_rule_every_step():
   f = OPTAX_FACTORS
   codes, ref = _schedule_and_reference(
@@ -236,6 +237,7 @@ N_SCALER = 5_000
 SCALER_FACTORS = {"init_scale": 2.0**16, "growth": 1.5, "backoff": 0.3, "interval": 3}
 
 
+@pytest.mark.slow
 def test_grad_scaler_soak_5k_steps_matches_torch_rule_every_step():
   f = SCALER_FACTORS
   rng = np.random.default_rng(11)

@@ -64,6 +64,7 @@ def _params_after(count):
   return np.asarray(opt.params["w"])
 
 
+@pytest.mark.slow
 def test_two_threads_sharing_one_grad_scaler_count_every_update_or_refuse():
   scaler = _scaler()
   opts = [_optimizer(), _optimizer()]
@@ -108,6 +109,7 @@ def test_two_threads_sharing_one_grad_scaler_count_every_update_or_refuse():
   np.testing.assert_array_equal(np.asarray(opts[second].params["w"]), _params_after(done))
 
 
+@pytest.mark.slow
 def test_one_thread_two_optimizers_counts_every_update():
   """The control: the same 200 iterations from one thread all count."""
   scaler, opts, errors = _scaler(), [_optimizer(), _optimizer()], []

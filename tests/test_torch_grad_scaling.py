@@ -567,6 +567,7 @@ def test_autocast_fp16_forward_matches_torch():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("optimizer", list(_AUTOCAST_OPTIMIZERS))
 @pytest.mark.parametrize(("enabled", "jit"), _FORMS)
@@ -751,6 +752,7 @@ def test_grad_scaler_clipping_separate_unscale_matches_torch(enabled, jit):
   _check_grad_scaler(_CLIPPING_SEPARATE, enabled, jit, True)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
 def test_dynamic_loss_scale_clipping_separate_unscale_matches_torch(fast, jit):
@@ -843,6 +845,7 @@ _PENALTY = _Case(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("enabled", "jit"), _FORMS)
 def test_grad_scaler_penalty_matches_torch(enabled, jit):
@@ -851,6 +854,7 @@ def test_grad_scaler_penalty_matches_torch(enabled, jit):
   _check_grad_scaler(_PENALTY, enabled, jit, True)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
 def test_dynamic_loss_scale_penalty_matches_torch(fast, jit):
@@ -955,6 +959,7 @@ def _optax_accumulation_run(tx, fast, jit):
   return _Run(scales, skips, _leaves(params)), ref
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
 def test_dynamic_loss_scale_accumulate_gradients_matches_torch(fast, jit):
@@ -1108,6 +1113,7 @@ def test_grad_scaler_multiple_models_optimizers_matches_torch(enabled, jit):
   _exactly(run.params, _leaves(c0.params) + _leaves(c1.params), "vs JAX control")
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)
 def test_dynamic_loss_scale_param_labels_multiple_matches_torch(fast, jit):
@@ -1161,6 +1167,7 @@ def _torch_update_scale_trajectory():
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_update_loss_scale_kernel_matches_torch(jit):
@@ -1257,6 +1264,7 @@ def _np(t):
   return t.detach().contiguous().numpy().copy()
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_unscale_and_check_matches_torch(jit):
@@ -1357,6 +1365,7 @@ def _linear_leaves(p):
   return [p["weight"], p["bias"]]
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_grad_scaler_will_not_overflow_matches_torch(jit):

@@ -131,6 +131,7 @@ def test_schedule_counts_iterations_keeps_the_optimizers_own_count():
     jaxamp.dynamic_loss_scale(optax.sgd(0.1), schedule_counts="skipped")
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
 def test_clip_grad_norm_matches_torch_clip_grad_norm(max_norm):
@@ -217,6 +218,7 @@ def test_accumulation_with_overflow_then_more_windows_matches_torch(form):
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("form", ["update", "apply_scaled_updates"])
 def test_dynamic_loss_scale_param_labels_several_optimizers_match_torch(form):

@@ -88,6 +88,7 @@ def test_dynamic_loss_scale_updates_keep_grad_dtypes(dtype):
   assert float(state.loss_scale) == 4.0
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_low_precision_grads_with_float32_params():
   # optax.apply_if_finite fails here (its cond branches disagree on dtypes).
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=8.0)
@@ -169,6 +170,7 @@ def test_dynamic_loss_scale_chain_clipping_sees_unscaled_grads():
   assert float(state.loss_scale) == 1024.0 and int(state.growth_tracker) == 1
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_inside_inject_hyperparams():
   tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale)(
     optax.sgd(0.1), init_scale=3.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=3
@@ -188,6 +190,7 @@ def test_dynamic_loss_scale_inside_inject_hyperparams():
   assert float(jaxamp.get_loss_scale(state)) == np.float32(1.350000023841858) / 2
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_inject_hyperparams_with_float16_params():
   params16 = jax.tree.map(lambda x: x.astype(jnp.float16), PARAMS)
   tx = optax.inject_hyperparams(jaxamp.dynamic_loss_scale, hyperparam_dtype=jnp.float32)(
@@ -228,6 +231,7 @@ def test_dynamic_loss_scale_multisteps_keeps_scale_within_window():
   assert params.tolist() == [-6.0, -8.0]
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_multisteps_inf_in_one_micro_step_skips_the_window():
   tx = optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0), 2)
   params = jnp.zeros(2)
@@ -239,6 +243,7 @@ def test_dynamic_loss_scale_multisteps_inf_in_one_micro_step_skips_the_window():
   assert float(jaxamp.ops.find_loss_scale_state(state).loss_scale) == 2.0
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_with_nnx_optimizer():
   from flax import nnx
 
@@ -270,6 +275,7 @@ def test_dynamic_loss_scale_with_nnx_optimizer():
   assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_with_train_state():
   from flax.training import train_state
 
@@ -335,6 +341,7 @@ def test_dynamic_loss_scale_rejects_invalid_hyperparameters(kwargs, error, messa
     jaxamp.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_accepts_torch_edge_intervals():
   for interval in (0, -1, 2**40):
     tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, growth_interval=interval)
@@ -367,6 +374,7 @@ def test_dynamic_loss_scale_rejects_grads_of_another_tree():
     tx.update({"w": jnp.ones((2, 3))}, tx.init(PARAMS))
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_traced_hyperparameters_are_not_validated_but_work():
   def run(growth):
     tx = jaxamp.dynamic_loss_scale(
@@ -418,6 +426,7 @@ def test_optax_form_skips_a_first_step_whose_update_widens_the_state():
     np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(value, np.float64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nesting", ["vmap_of_jit", "checkify_of_vmap"])
 def test_optax_form_under_vmap_applies_and_skips_each_member_as_alone(nesting):
   # A vmapped jitted update batches the step's loop; checkify cannot check a

@@ -203,6 +203,7 @@ def test_leaf_finite_flags_of_many_same_shape_leaves(dtype, jit):
   assert expected.count(False) == len(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("jit", [False, True])
 def test_leaf_finite_flags_of_leaves_alone_wherever_the_inf_sits(dtype, jit):
@@ -303,6 +304,7 @@ def test_applied_step_unscales_every_finite_half_value_as_torch(scale, dtype, fr
     assert np.all((rest == 0) | (ours[~normal] == expected[~normal]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize(
