@@ -65,10 +65,10 @@ def table(results: list[Result]) -> str:
   if flushed:
     lines.append(
       "* FTZ: XLA flushes float32 subnormals to zero, torch keeps them (a documented "
-      'divergence: docs/exactness.md, "Subnormals"). In these runs the unscaled gradients equal torch\'s '
-      "bit for bit except where a subnormal is involved, and there they equal torch's "
-      "arithmetic with flush-to-zero bit for bit; a parameter fed by flushed gradients may then differ from "
-      "torch's (not failed). Flushed elements: "
+      'divergence: docs/exactness.md, "Subnormals"). In these runs the unscaled '
+      "gradients equal torch's bit for bit except where a subnormal is involved, and "
+      "there they equal torch's arithmetic with flush-to-zero bit for bit; a parameter "
+      "fed by flushed gradients may then differ from torch's (not failed). Flushed elements: "
       + ", ".join(f"{r.scenario} [{_API_NAMES[r.api]}] {r.flushed_elements}" for r in flushed)
     )
   for r in failed:
