@@ -84,6 +84,11 @@ def _check_writable(path: pathlib.Path, what: str) -> None:
     raise BadInput(f"cannot write the {what} to {path}: {error}") from None
 
 
+def _steps_png(path: pathlib.Path) -> pathlib.Path:
+  """Where report.write_png puts the per-step panels (report imports torch)."""
+  return path.with_name(f"{path.stem}_steps{path.suffix}")
+
+
 def _select(names: list[str] | None, registry: dict) -> list:
   if not names:
     return list(registry.values())
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_png:
       _require("matplotlib", "the --png curves; pass --no-png to skip them")
       _check_writable(args.png, "PNG")
+      _check_writable(_steps_png(args.png), "PNG of the per-step differences")
     if args.json is not None:
       _check_writable(args.json, "JSON results")
     return _run(args, selected)

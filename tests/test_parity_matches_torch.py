@@ -350,6 +350,8 @@ def test_parity_cli_writes_table_json_and_png(tmp_path, capsys):
   assert [r["api"] for r in data["runs"]] == ["optax", "grad_scaler"]
   assert data["runs"][0]["curves"]["torch_scale"] == [1.0, 1.0, 1.0, 1.0]
   assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out_png.parent / "curves_steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert len(data["runs"][0]["curves"]["param_diff"]) == 4
 
 
 @pytest.mark.slow
