@@ -33,6 +33,7 @@ from jaxamp._torch.core import LossScaleCore, advance
 from jaxamp._torch.groups import skipped_leaves
 from jaxamp._torch.schedules import advance_schedule_counts
 from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
+from jaxamp._validation import is_array_leaf
 from jaxamp._xla.fma_guard import rounded_unscaled
 from jaxamp._xla.in_place import apply_unless
 
@@ -95,6 +96,47 @@ def typed_like(value: Any, template: Any) -> Any:
   return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
 
 
+def _typeof(x: Any) -> Any:
+  return jax.typeof(x) if is_array_leaf(x) else x  # an Equinox module's function: itself
+
+
+def _on_arrays(fn: Callable[..., Any], operands: tuple, static_out: list):
+  """``fn`` as a function of the array leaves of ``operands`` only, returning
+  the array leaves of its output; each call appends the output's structure and
+  other leaves (an Equinox module's functions) to ``static_out``. Returns it
+  and the array leaves to call it with."""
+  leaves, treedef = jax.tree.flatten(operands)
+  dynamic = [is_array_leaf(leaf) for leaf in leaves]
+
+  def run(*arrays: Any) -> list:
+    given = iter(arrays)
+    full = [next(given) if d else leaf for leaf, d in zip(leaves, dynamic)]
+    out_leaves, out_def = jax.tree.flatten(fn(*jax.tree.unflatten(treedef, full)))
+    static_out.append((out_def, [None if is_array_leaf(x) else x for x in out_leaves]))
+    return [x for x in out_leaves if is_array_leaf(x)]
+
+  return run, [x for x, d in zip(leaves, dynamic) if d]
+
+
+def _rebuilt(arrays: list, static_out: list) -> Any:
+  """The output of an ``_on_arrays`` function from its array leaves."""
+  out_def, statics = static_out[0]
+  if any(d != out_def or any(a is not b for a, b in zip(s, statics)) for d, s in static_out):
+    raise TypeError(
+      "jaxamp: the two branches of a step returned different non-array leaves; "
+      "return the operands' own (an Equinox module's functions) from both."
+    )
+  given = iter(arrays)
+  return jax.tree.unflatten(out_def, [next(given) if x is None else x for x in statics])
+
+
+def eval_shape(fn: Callable[..., Any], *operands: Any) -> Any:
+  """``jax.eval_shape``, the leaves that are not arrays passed through as they are."""
+  static_out: list = []
+  run, arrays = _on_arrays(fn, operands, static_out)
+  return _rebuilt(jax.eval_shape(run, *arrays), static_out)
+
+
 def with_output_types(apply: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
   """``apply``, and a function giving its output types for a skipped branch,
   which must return the same: those of ``apply``'s trace when it ran first (as
@@ -104,11 +146,11 @@ def with_output_types(apply: Callable[..., Any]) -> tuple[Callable[..., Any], Ca
 
   def traced_apply(*operands):
     out = apply(*operands)
-    seen.append(jax.tree.map(jax.typeof, out))
+    seen.append(jax.tree.map(_typeof, out))
     return out
 
   def output_types(*operands):
-    return seen[-1] if seen else jax.eval_shape(apply, *operands)
+    return seen[-1] if seen else eval_shape(apply, *operands)
 
   return traced_apply, output_types
 
@@ -124,7 +166,19 @@ def apply_or_skip(
   is known, and only that one runs)."""
   if isinstance(found_inf, bool):
     return (skip if found_inf else apply)(*operands)
-  return lax.cond(jnp.logical_not(found_inf), apply, skip, *operands)
+  return cond(jnp.logical_not(found_inf), apply, skip, *operands)
+
+
+def cond(pred: jax.Array, true_fn: Callable[..., Any], false_fn: Callable[..., Any], *operands):
+  """``lax.cond`` whose operands and outputs may hold leaves that are not arrays
+  (an Equinox module's activation functions): they pass around it as they are
+  (each branch returns its operands' own)."""
+  if all(map(is_array_leaf, jax.tree.leaves(operands))):
+    return lax.cond(pred, true_fn, false_fn, *operands)
+  static_out: list = []
+  true_run, arrays = _on_arrays(true_fn, operands, static_out)
+  false_run, _ = _on_arrays(false_fn, operands, static_out)
+  return _rebuilt(lax.cond(pred, true_run, false_run, *arrays), static_out)
 
 
 def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):

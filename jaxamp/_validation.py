@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -10,6 +11,30 @@ import jax.numpy as jnp
 
 def is_none(x: Any) -> bool:
   return x is None
+
+
+def is_array_leaf(x: Any) -> bool:
+  """Whether a parameter leaf can have a gradient: an array or a Python number
+  (as optax's leaves), not ``None`` or another object (an Equinox module's
+  activation function, a string)."""
+  return x is not None and (hasattr(x, "dtype") or isinstance(x, numbers.Number))
+
+
+def zeros_like_arrays(params: Any) -> Any:
+  """Zeros like each array leaf of ``params``, ``None`` for the other leaves."""
+  return jax.tree.map(lambda p: jnp.zeros_like(p) if is_array_leaf(p) else None, params)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates``, where a ``None`` update (from a ``None``
+  gradient) leaves its parameter as it is, as ``eqx.apply_updates`` does."""
+
+  def apply(param: Any, update: Any) -> Any:
+    if param is None or update is None:
+      return param
+    return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
+
+  return jax.tree.map(apply, params, updates, is_leaf=is_none)
 
 
 def check_float_gradients(grads: Any) -> None:
@@ -52,27 +77,93 @@ def check_same_structure(grads: Any, params: Any) -> None:
       )
 
 
-def check_leaf_count(grads: Any, nonfinite_leaves: jax.Array) -> None:
-  """Raises ValueError if ``grads`` has another number of array leaves than
-  the parameters the state was initialised with."""
-  expected = jax.tree.leaves(nonfinite_leaves)[0].shape[0]
-  count = len(jax.tree.leaves(grads))
-  if count != expected:
-    raise ValueError(
-      f"jaxamp: the gradient tree has {count} array leaves, but the optimizer "
-      f"state was initialised for parameters with {expected}."
-    )
+def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
+  """For each array leaf of ``grads`` (``jax.tree.leaves`` order), the index of
+  its flag in a state's ``nonfinite_leaves`` (``n_flags``, one per leaf of the
+  parameters the state was initialised with, ``None`` not counted).
+
+  A ``None`` gradient has no flag to set, and a non-array parameter leaf (an
+  Equinox module's activation function) never gets a gradient; both are
+  allowed. The flags are found as the first of these with ``n_flags`` leaves
+  that holds every gradient: the leaves of ``params`` (not ``None``), its array
+  leaves, every position of ``grads`` (``None`` included), its array leaves.
+  Any two of them with ``n_flags`` leaves are the same positions.
+
+  Raises:
+    ValueError: none fits; the message gives both counts and the fix.
+  """
+  grad_leaves, _ = jax.tree.flatten(grads, is_leaf=is_none)
+  has_grad = [g is not None for g in grad_leaves]
+  candidates = []
+  if params is not None:
+    param_leaves = jax.tree.leaves(params, is_leaf=is_none)
+    if len(param_leaves) == len(grad_leaves):  # else the shape check reports it
+      candidates += [[p is not None for p in param_leaves], list(map(is_array_leaf, param_leaves))]
+  candidates += [[True] * len(grad_leaves), has_grad]
+  for mask in candidates:
+    if sum(mask) == n_flags and all(m for m, g in zip(mask, has_grad) if g):
+      slots, index = [], 0
+      for m, g in zip(mask, has_grad):
+        if g:
+          slots.append(index)
+        index += m
+      return tuple(slots)
+  count, missing = sum(has_grad), len(has_grad) - sum(has_grad)
+  nones = f" and {missing} None" if missing else ""
+  raise ValueError(
+    f"jaxamp: the gradient tree has {count} array leaves{nones}, but the optimizer "
+    f"state was initialised for parameters with {n_flags}. Initialise it with the "
+    "parameters these gradients are for (with Equinox: eqx.filter(model, eqx.is_array), "
+    "or the trainable part only), and pass those params to update."
+  )
 
 
-def check_no_none_gradients(grads: Any, params: Any) -> None:
-  """Raises ValueError naming the first parameter whose gradient is ``None``:
-  an optax update needs a gradient for every parameter it steps."""
+def set_flags(flags: jax.Array, slots: tuple[int, ...], nonfinite: jax.Array) -> jax.Array:
+  """``nonfinite`` (one per gradient leaf) at ``slots`` of a ``flags``-shaped
+  vector, ``False`` elsewhere (``None`` gradients and non-array leaves)."""
+  if len(slots) == flags.shape[0]:
+    return nonfinite
+  return jnp.zeros_like(flags).at[jnp.asarray(slots, int)].set(nonfinite)
+
+
+def none_gradient_error(grads: Any, params: Any) -> ValueError | None:
+  """The error for an optimizer that failed on a ``None`` gradient of an array
+  parameter (optax's Adam: its state holds moments for that leaf), naming the
+  first such leaf; None if there is none."""
   paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   grad_leaves = jax.tree.leaves(grads, is_leaf=is_none)
   for (path, param), grad in zip(paths, grad_leaves):
-    if grad is None and param is not None:
-      raise ValueError(
-        f"jaxamp: the gradient of {jax.tree_util.keystr(path) or '<root>'} is None; "
-        "an optax update needs one for every parameter: give it zeros, or leave a "
-        "frozen parameter out of the Optimizer's params. Nothing was changed."
+    if grad is None and is_array_leaf(param):
+      return ValueError(
+        f"jaxamp: the gradient of {jax.tree_util.keystr(path) or '<root>'} is None, and "
+        "the optimizer cannot skip a parameter its state holds (as optax's Adam cannot). "
+        "Leave frozen parameters out of the params the optimizer is built with "
+        "(with Equinox: eqx.filter(model, trainable)), or give them zero gradients. "
+        "Nothing was changed."
       )
+  return None
+
+
+def flagged_paths(params: Any, flags: Any) -> list[str] | None:
+  """The paths of the leaves of ``params`` whose ``flags`` (a state's
+  ``nonfinite_leaves``) are set, with ``params`` as given to ``init`` or in
+  its other Equinox form (the whole module, or ``eqx.filter(model,
+  eqx.is_array)``); None if no form of ``params`` has as many leaves."""
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+  for keep in (lambda leaf: leaf is not None, is_array_leaf, lambda leaf: True):
+    paths = [jax.tree_util.keystr(path) for path, leaf in leaves if keep(leaf)]
+    if len(paths) == len(flags):
+      return [path for path, flag in zip(paths, flags) if flag]
+  return None
+
+
+def arrays_only(tree: Any) -> Any:
+  """``tree`` with ``None`` for each leaf that is not an array (an Equinox
+  module's functions), as ``eqx.filter(tree, eqx.is_array)``: what a compiled
+  step takes and returns."""
+  return jax.tree.map(lambda x: x if is_array_leaf(x) else None, tree)
+
+
+def with_non_arrays(new: Any, old: Any) -> Any:
+  """``new`` (from :func:`arrays_only` of ``old``) with ``old``'s other leaves back."""
+  return jax.tree.map(lambda n, o: o if n is None else n, new, old, is_leaf=is_none)

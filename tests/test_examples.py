@@ -34,6 +34,19 @@ def test_examples_digits_trains_and_writes_png(name, flags, import_example, tmp_
   assert "test accuracy" in capsys.readouterr().out
 
 
+def test_examples_eqx_digits_trains_in_float16_with_a_frozen_layer(import_example, tmp_path):
+  pytest.importorskip("equinox")
+  png = tmp_path / "curves.png"
+  result = import_example("eqx_digits").main(["--steps", "20", "--out", str(png)])
+  assert png.read_bytes()[:8] == PNG_MAGIC
+  losses = result["losses"]
+  assert losses.shape == (20,) and np.all(np.isfinite(losses))
+  assert losses[-5:].mean() < losses[:5].mean()
+  assert result["test_accuracy"] > 0.4  # ten classes: chance is 0.1
+  assert result["skipped_steps"] == 0
+  assert result["frozen_unchanged"]
+
+
 @pytest.mark.slow
 def test_examples_underflow_study_writes_markdown_table(import_example, tmp_path):
   out = tmp_path / "underflow.md"

@@ -24,7 +24,13 @@ from jaxamp._torch.accumulation import (
   within_window,
 )
 from jaxamp._torch.core import check_skip_limit
-from jaxamp._validation import check_float_gradients, check_same_structure
+from jaxamp._validation import (
+  apply_updates,
+  arrays_only,
+  check_float_gradients,
+  check_same_structure,
+  with_non_arrays,
+)
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.fma_guard import rounded_updates
 from jaxamp._xla.layout import row_major
@@ -148,8 +154,9 @@ def apply_scaled_updates(
   check_float_gradients(grads)
   check_same_structure(grads, params)
   eager = not traced((grads, opt_state))
-  arguments = (grads, opt_state, params, extra_args)
+  arguments = (grads, opt_state, arrays_only(params), extra_args)
   new_params, new_state = call_compiled(_apply_scaled_updates, (tx, eager), *arguments)
+  new_params = with_non_arrays(new_params, params)
   if eager:  # outside jit: a clear error, and the caller's state as it was
     check_skip_limit(core_of(find_loss_scale_state(new_state)), config)
   return new_params, new_state
@@ -180,7 +187,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
   config = scale_state.config
   if not config.enabled:  # a disabled scaler checks nothing and never skips
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
-    return optax.apply_updates(params, updates), new_state
+    return apply_updates(params, updates), new_state
   check = engine.check(grads, scale_state.loss_scale, config, scale_state)
   labels = None if config.param_labels is None else config.param_labels.of(grads)
 
@@ -196,7 +203,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
   def applied(params, opt_state):
     updates, new_state = update(params, opt_state, False)
     updates = rounded_updates(updates, scale_state.loss_scale)
-    return optax.apply_updates(params, updates), new_state
+    return apply_updates(params, updates), new_state
 
   apply, output_types = engine.with_output_types(applied)
 
@@ -204,7 +211,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
     updates, new_state = update(params, opt_state, True)
     if labels is None:  # nothing applied: the state typed as the applied branch's
       return params, engine.typed_like(new_state, output_types(params, opt_state)[1])
-    stepped = optax.apply_updates(params, updates)  # the finite groups' updates
+    stepped = apply_updates(params, updates)  # the finite groups' updates
     return engine.keep_skipped_params(params, stepped, check, labels), new_state
 
   # params and opt_state are the branches' operands, so a donated buffer is

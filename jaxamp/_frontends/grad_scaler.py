@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import _engine as engine
+from jaxamp._autocast.interpreter import tracing as autocast_tracing
 from jaxamp._config import (
   LossScaleConfig,
   check_flag,
@@ -44,7 +45,12 @@ from jaxamp._torch.core import (
 )
 from jaxamp._torch.scaling import multiply_by_scale
 from jaxamp._torch.unscale import finite_leaves, unscale
-from jaxamp._validation import check_float_gradients, check_no_none_gradients, check_same_structure
+from jaxamp._validation import (
+  arrays_only,
+  check_float_gradients,
+  check_same_structure,
+  with_non_arrays,
+)
 from jaxamp._xla.compile_cache import call_compiled, traced
 
 # torch's messages (docs/torch_semantics.md §4), raised as RuntimeError where torch asserts.
@@ -93,6 +99,15 @@ _UNSET = _Unset()
 _OWNER_LOCK = threading.Lock()
 _DISABLED = LossScaleConfig(
   enabled=False, growth_factor=_UNSET, backoff_factor=_UNSET, growth_interval=_UNSET
+)
+
+
+_IN_AUTOCAST = (
+  "jaxamp: GradScaler.scale() was called inside a jaxamp.autocast function, which runs "
+  "on its own copy of the scaler: the scaler you step would not know it scaled. Scale "
+  "the loss the autocast function returns, outside it, as torch's examples do: "
+  "opt.grads = jax.grad(lambda p: scaler.scale(jaxamp.autocast(loss_fn)(p, x)))(opt.params). "
+  "Nothing was changed."
 )
 
 
@@ -226,9 +241,12 @@ class GradScaler:
   # -- pytree -------------------------------------------------------------------
 
   def tree_flatten(self) -> tuple[tuple, tuple]:
+    # The static half is read from the static fields only (a found_inf that is
+    # None is a None child, not a flag): eqx.partition replaces the array
+    # children by None, and both halves must carry the same static data.
     keys = tuple(self._states)
     children = (self._core, tuple(self._states[k].found_inf for k in keys))
-    stages = tuple((k, self._states[k].stage, self._states[k].found_inf is None) for k in keys)
+    stages = tuple((k, self._states[k].stage) for k in keys)
     return children, (self._config, self._init_growth_tracker, stages)
 
   @classmethod
@@ -237,9 +255,9 @@ class GradScaler:
     scaler._config, scaler._init_growth_tracker, stages = static
     scaler._core, found_infs = children
     scaler._states = {
-      key: _Record(stage, None if no_check else found_inf)
-      for (key, stage, no_check), found_inf in zip(stages, found_infs)
+      key: _Record(stage, found_inf) for (key, stage), found_inf in zip(stages, found_infs)
     }
+    # Not static: a first scale() inside a jitted loop would retrace its second call.
     scaler._scaled = True
     return scaler
 
@@ -325,6 +343,8 @@ class GradScaler:
 
     Raises:
       ValueError: an element is not an array (torch's message).
+      RuntimeError: called inside a ``jaxamp.autocast`` function (which runs
+        a copy of the scaler); scale the loss it returns instead.
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
@@ -333,6 +353,8 @@ class GradScaler:
     """
     if not self._enabled:
       return outputs
+    if autocast_tracing():  # autocast runs a rebuilt copy: its _scaled would be lost
+      raise RuntimeError(_IN_AUTOCAST)
     self._claim("scale")
     if any(_under_jit(x) for x in jax.tree.leaves(outputs)):
       self._check_not_captured("scale", outputs)
@@ -444,11 +466,17 @@ class GradScaler:
       grads, found_inf = optimizer.grads, record.found_inf
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
-    check_no_none_gradients(grads, optimizer.params)
     static = (optimizer.tx, self._config.schedule_counts)
     params, opt_state = call_compiled(
-      _step_unless, static, found_inf, grads, optimizer.params, optimizer.opt_state, extra_args
+      _step_unless,
+      static,
+      found_inf,
+      grads,
+      arrays_only(optimizer.params),
+      optimizer.opt_state,
+      extra_args,
     )
+    params = with_non_arrays(params, optimizer.params)
 
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     if nonfinite is not None:

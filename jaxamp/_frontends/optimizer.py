@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._validation import check_no_none_gradients, is_none
+from jaxamp._validation import apply_updates, is_none, none_gradient_error, zeros_like_arrays
 
 _KEYS = itertools.count()
 
@@ -50,7 +50,8 @@ class Optimizer:
     params: the parameter tree.
     opt_state: ``tx``'s state.
     grads: the current gradients, a tree like ``params``, or ``None``.
-    nonfinite_leaves: for each leaf of ``params`` (``jax.tree.leaves`` order),
+    nonfinite_leaves: for each leaf of ``params`` (``jax.tree.leaves`` order; a
+      non-array leaf, such as an Equinox module's activation, is never set),
       whether its gradient held inf/NaN the last time a ``jaxamp.GradScaler``
       found inf/NaN in ``grads``, bool ``[n_leaves]``; read it with
       ``scaler.nonfinite_leaf_paths(opt)``. Not recorded for gradients whose
@@ -87,7 +88,7 @@ class Optimizer:
     self.tx = tx
     self.params = params
     self.opt_state = tx.init(params) if opt_state is None else opt_state
-    self.grads = jax.tree.map(jnp.zeros_like, params) if grads is None else grads
+    self.grads = zeros_like_arrays(params) if grads is None else grads
     self.nonfinite_leaves = jnp.zeros([len(jax.tree.leaves(params))], bool)
     self._key = next(_KEYS)
 
@@ -100,7 +101,7 @@ class Optimizer:
       set_to_none: ``True`` (torch's default) sets ``grads`` to ``None``,
         ``False`` to zeros like ``params``.
     """
-    self.grads = None if set_to_none else jax.tree.map(jnp.zeros_like, self.params)
+    self.grads = None if set_to_none else zeros_like_arrays(self.params)
 
   def accumulate(self, grads: Any) -> None:
     """Adds ``grads`` to ``self.grads`` (``None``, for the whole tree or a leaf,
@@ -140,17 +141,18 @@ class Optimizer:
     Without a scaler, or under a disabled one. Nothing happens when ``grads``
     is ``None`` (torch skips parameters without a gradient).
 
+    A ``None`` leaf of ``grads`` is no update for its parameter, as in optax
+    (torch's optimizers skip a parameter whose ``.grad`` is ``None``).
+
     Args:
       **extra_args: passed to ``tx.update``.
 
     Raises:
-      ValueError: a leaf of ``grads`` is ``None`` while its parameter is not (an
-        optax update needs every gradient; torch would step the others). Nothing
-        is changed.
+      ValueError: ``tx`` cannot take a ``None`` gradient for a parameter its
+        state holds (optax's Adam); the message names the leaf. Nothing is changed.
     """
     if self.grads is None:
       return
-    check_no_none_gradients(self.grads, self.params)
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
     return
 
@@ -185,11 +187,18 @@ def _add(accumulated: Any, grad: Any) -> Any:
 def updated(
   tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
 ):
-  """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``."""
-  updates, opt_state = optax.with_extra_args_support(tx).update(
-    grads, opt_state, params, **extra_args
-  )
-  return optax.apply_updates(params, updates), opt_state
+  """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``
+  (a ``None`` update leaves its parameter as it is)."""
+  try:
+    updates, opt_state = optax.with_extra_args_support(tx).update(
+      grads, opt_state, params, **extra_args
+    )
+  except (ValueError, TypeError) as error:
+    none_error = none_gradient_error(grads, params)
+    if none_error is None:
+      raise
+    raise none_error from error
+  return apply_updates(params, updates), opt_state
 
 
 def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:

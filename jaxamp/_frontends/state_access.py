@@ -11,6 +11,7 @@ import optax
 
 from jaxamp._frontends.transform import DynamicLossScaleState
 from jaxamp._torch.scaling import multiply_by_scale
+from jaxamp._validation import flagged_paths
 
 # The optax wrappers that hold a transformation's state as their inner_state.
 INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -202,12 +203,10 @@ def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
     ["['dense']['b']"]
   """
   flags = np.asarray(field_array(find_loss_scale_state(opt_state).nonfinite_leaves))
-  paths = [
-    jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-  ]
-  if len(paths) != flags.size:
+  paths = flagged_paths(params, flags)
+  if paths is None:
     raise ValueError(
-      f"jaxamp: params has {len(paths)} leaves but the jaxamp state tracks "
+      f"jaxamp: params has {len(jax.tree.leaves(params))} leaves but the jaxamp state tracks "
       f"{flags.size}; pass the parameter tree the optimizer was initialised with."
     )
-  return [path for path, flag in zip(paths, flags) if flag]
+  return paths

@@ -14,7 +14,7 @@ from jaxamp._config import LossScaleConfig, loss_scale_config, with_options
 from jaxamp._engine import Check
 from jaxamp._torch.core import LossScaleCore, check_skip_limit, init_core
 from jaxamp._torch.groups import ParamLabels, grouped
-from jaxamp._validation import check_float_gradients, check_leaf_count, check_same_structure
+from jaxamp._validation import check_float_gradients, check_same_structure, flag_slots, set_flags
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.layout import row_major
 
@@ -36,9 +36,10 @@ class DynamicLossScaleState(NamedTuple):
     hysteresis_tracker: overflowing steps still tolerated before a backoff,
       int32 ``[]`` (always ``hysteresis``, 1 by default: torch backs off at once).
     update_count: updates so far, skipped or not, int32 ``[]`` (saturating).
-    nonfinite_leaves: for each gradient leaf (``jax.tree.leaves`` order),
-      whether it held inf/NaN in the last skipped step, bool ``[n_leaves]``;
-      see :func:`jaxamp.ops.nonfinite_leaf_paths`.
+    nonfinite_leaves: for each leaf of the params given to ``init``
+      (``jax.tree.leaves`` order), whether its gradient held inf/NaN in the
+      last skipped step, bool ``[n_leaves]`` (never for a ``None`` gradient
+      or a non-array leaf); see :func:`jaxamp.ops.nonfinite_leaf_paths`.
     config: the configuration the transformation was built with: static, no
       leaves, part of the tree structure (build ``shard_map`` specs from this
       state, not another transformation's); injected hyperparameters are
@@ -82,7 +83,7 @@ class CheckedState:
 
 def _update(static, grads, state, params, extra_args, checked, injected):
   """One torch iteration of the engine, with ``inner`` as the update."""
-  inner, recorded, eager = static
+  inner, recorded, eager, slots = static
   config = recorded.replace(**injected)
   if config.param_labels is None:
     inner, labels = optax.with_extra_args_support(inner), None
@@ -109,7 +110,8 @@ def _update(static, grads, state, params, extra_args, checked, injected):
     branch=None if checked is None else checked.found_inf,
     eager=eager or bool(checked and checked.eager),
   )
-  nonfinite = jnp.where(core.found_inf, check.nonfinite, state.nonfinite_leaves)
+  nonfinite = set_flags(state.nonfinite_leaves, slots, check.nonfinite)
+  nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
   return updates, state._replace(
     **core._asdict(), nonfinite_leaves=nonfinite, inner_state=inner_state
   )
@@ -219,7 +221,7 @@ def dynamic_loss_scale(
     if not config.enabled:
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
-    check_leaf_count(updates, state.nonfinite_leaves)
+    slots = flag_slots(updates, params, state.nonfinite_leaves.shape[0])
     if params is None:  # no params to check the shapes against: the inner update's
       shapes, _ = jax.eval_shape(
         lambda g, s: inner.update(g, s, None, **extra_args), updates, state.inner_state
@@ -227,7 +229,7 @@ def dynamic_loss_scale(
       check_same_structure(updates, shapes)
     arguments = (updates, state, params, extra_args, checked, config.arrays())
     eager = not traced((updates, state))
-    updates, new_state = call_compiled(_update, (*static, eager), *arguments)
+    updates, new_state = call_compiled(_update, (*static, eager, slots), *arguments)
     if eager:  # outside jit: a clear error, and the caller's state as it was
       check_skip_limit(core_of(new_state), config)
     return updates, new_state

@@ -8,9 +8,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from jaxamp import _engine as engine
 from jaxamp._distributed import zeros_of_type
+from jaxamp._validation import is_none, zeros_like_arrays
 
 
 class AccumulateGradientsState(NamedTuple):
@@ -36,8 +37,13 @@ class AccumulateGradients(optax.GradientTransformationExtraArgs):
 
 
 def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
-  """This window's gradients so far, ``grads`` included (``acc + grads``)."""
-  return jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), state.acc_grads, grads)
+  """This window's gradients so far, ``grads`` included (``acc + grads``); a
+  ``None`` gradient stays ``None`` (no update for its leaf)."""
+
+  def add(acc: Any, g: Any) -> Any:
+    return None if g is None or acc is None else acc + g.astype(acc.dtype)
+
+  return jax.tree.map(add, state.acc_grads, grads, is_leaf=is_none)
 
 
 def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
@@ -49,12 +55,13 @@ def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
 
 def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
   """The state after a window's last micro-batch: zero gradients, new inner state."""
-  zeros = jax.tree.map(jnp.zeros_like, total)  # zeros, not 0 * acc: acc may hold inf
+  zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)  # not 0 * acc: acc may hold inf
   return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner_state)
 
 
 def within_window(state: AccumulateGradientsState, total: Any) -> AccumulateGradientsState:
-  return state._replace(mini_step=state.mini_step + 1, acc_grads=total)
+  acc = jax.tree.map(lambda a, t: a if t is None else t, state.acc_grads, total, is_leaf=is_none)
+  return state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
 
 
 def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> AccumulateGradients:
@@ -95,7 +102,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = zeros_like_arrays(params)  # None for an Equinox module's functions
     return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -106,11 +113,11 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
       return new_updates, after_window(state, total, inner_state)
 
     def hold(total, inner_state, params):
-      shapes, _ = jax.eval_shape(end, total, inner_state, params)
+      shapes, _ = engine.eval_shape(end, total, inner_state, params)
       zeros = jax.tree.map(zeros_of_type, shapes)
       return zeros, within_window(state, total)
 
-    return lax.cond(window_ends(state, every_k), end, hold, total, state.inner_state, params)
+    return engine.cond(window_ends(state, every_k), end, hold, total, state.inner_state, params)
 
   tx = AccumulateGradients(init_fn, update_fn)
   tx.inner, tx.every_k = inner, every_k
