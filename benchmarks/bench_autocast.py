@@ -75,7 +75,9 @@ def block_by_hand(p, x, y, heads):
 
   h = layer_norm(x, p["ln1_w"], p["ln1_b"]).astype(H)
   q, k, v = map(split, jnp.split(linear16(h, hp["wqkv"], hp["bqkv"]), 3, -1))
-  a = jax.nn.softmax(q @ k.swapaxes(-1, -2) / math.sqrt(dim // heads), -1)
+  # torch's CPU div of a half tensor by a scalar: in float32, rounded once
+  scores = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / math.sqrt(dim // heads)
+  a = jax.nn.softmax(scores.astype(H), -1)
   o = (a @ v).transpose(0, 2, 1, 3).reshape(batch, seq, dim)
   x = x + linear16(o, hp["wo"], hp["bo"]).astype(jnp.float32)
   h = layer_norm(x, p["ln2_w"], p["ln2_b"]).astype(H)

@@ -255,7 +255,7 @@ class Op:
   args: tuple[int, ...] = ()  # indices into the values so far
   extra: object = None  # per op: a scalar, a bias flag, a cast target, a region
   depth: int = 1  # the longest chain of ops from the inputs to this one's output
-  half_traced: bool = False  # its input is a half dtype in the traced program
+  traced_in: str = "float32"  # a reduction's input dtype in the traced program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +328,7 @@ def _draw_op(draw, infos, region):
   if name in ("sum", "mean", "max"):
     extra = draw(st.sampled_from(["row", "all"]))
     shape = "col" if extra == "row" else "zero"
-    op = Op(name, (x,), extra, depth, half_traced=v.traced != "float32")
+    op = Op(name, (x,), extra, depth, traced_in=v.traced)
     return op, Info(shape, "float", v.traced, depth, False, v.from_mask)
   if name == "div":
     return Op(name, (x,), draw(st.sampled_from(DIVISORS)), depth), dataclasses.replace(
@@ -496,17 +496,18 @@ def run_torch(ops, values, dtype, cuda_lists=False, enabled=True):
       continue
     xs, p = [values[i] for i in op.args], T_PARAMS
     rule = CUDA_LIST.get(op.name) if cuda_lists and enabled else None
-    if op.name in ("sum", "mean") and op.half_traced:
-      # jnp sums a half array in float32 and casts the sum back to it: the cast is
-      # in the jaxpr and runs as written (docs/autocast.md, "Type promotion", the
-      # casts limitation)
-      rule = None
     if rule == "lower":
       xs = [x.to(half) if x.is_floating_point() else x for x in xs]
       p = {k: v.to(half) for k, v in p.items()}
     elif rule == "fp32":
       xs = [x.float() if x.is_floating_point() else x for x in xs]
-    values.append(t_op(op.name, p, xs, op.extra))
+    out = t_op(op.name, p, xs, op.extra)
+    if cuda_lists and op.name in ("sum", "mean") and op.traced_in != "float32":
+      # jnp sums a half array in float32 and casts the sum back to that dtype: the
+      # cast is in the jaxpr and runs as written (docs/autocast.md, "Type
+      # promotion", the casts limitation)
+      out = out.to(T_CASTS[op.traced_in])
+    values.append(out)
   return values
 
 
