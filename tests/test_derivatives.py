@@ -146,6 +146,7 @@ def check_derivatives(front_end, kind, scale, seed, *, reverse):
 SCALES = [1.0, 2.0**-3, 2.0**10, 2.0**16]
 
 
+@pytest.mark.slow
 @settings(max_examples=10, derandomize=True, deadline=None, database=None)
 @given(
   front_end=st.sampled_from(FRONT_ENDS),
@@ -157,6 +158,7 @@ def test_jvp_through_jaxamp_update_equals_plain_optax(front_end, kind, scale, se
   check_derivatives(front_end, kind, scale, seed, reverse=False)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, derandomize=True, deadline=None, database=None)
 @given(
   front_end=st.sampled_from(REVERSE_FRONT_ENDS),
