@@ -430,7 +430,7 @@ def _check_refused(sc: Scenario, raw: list[dict]) -> None:
   assert bits((params, state, grads)) == before
 
 
-@fuzz_settings(12, long_examples=150)
+@fuzz_settings(9, long_examples=150)
 @given(scenarios())
 def test_fuzz_optax_form_matches_torch_or_refuses(sc):
   raw = _raw_grads(sc, _calls(sc))
