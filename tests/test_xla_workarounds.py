@@ -45,6 +45,7 @@ def _run(off: str) -> str:
   return out.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("off", ["layout", "in_place", "compile_cache", "platform", "all"])
 def test_xla_workarounds_off_change_no_value(off):
   assert _run(off) == _run("")
@@ -71,6 +72,7 @@ def test_xla_workarounds_switch_refuses_unknown_names():
   assert "JAXAMP_XLA_OFF names unknown workarounds ['layuot']" in out.stderr
 
 
+@pytest.mark.slow
 def test_xla_workarounds_comparison_can_fail():
   # The digest covers the params: a run one step shorter gives another one.
   shorter = RUN.replace("range(12)", "range(11)")
