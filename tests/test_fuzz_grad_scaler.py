@@ -591,6 +591,6 @@ class GradScalerMachine(RuleBasedStateMachine):
 
 
 GradScalerMachine.TestCase.settings = fuzz_settings(
-  ci_examples=40, stateful_step_count=30, report_multiple_bugs=False
+  ci_examples=30, stateful_step_count=30, report_multiple_bugs=False
 )
 TestGradScalerMatchesTorch = GradScalerMachine.TestCase
