@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import optax
-from jax import lax
 
 from jaxamp import _engine as engine
 from jaxamp._frontends.state_access import (
@@ -20,7 +19,7 @@ from jaxamp._torch.accumulation import (
   AccumulateGradientsState,
   accumulated,
   after_window,
-  window_ends,
+  at_window_end,
   within_window,
 )
 from jaxamp._torch.core import check_skip_limit
@@ -177,7 +176,7 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
   def hold(params, state):
     return params, within_window(state, total)
 
-  return lax.cond(window_ends(opt_state, tx.every_k), end, hold, params, opt_state)
+  return at_window_end(opt_state, tx.every_k, end, hold, params, opt_state)
 
 
 def _fused_step(tx, grads, opt_state, params, extra_args, eager):

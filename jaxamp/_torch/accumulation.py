@@ -53,6 +53,12 @@ def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
   return state.mini_step >= every_k - 1
 
 
+def at_window_end(state: AccumulateGradientsState, every_k: int, end, hold, *operands: Any):
+  """``end(*operands)`` on a window's last call, else ``hold(*operands)``: the
+  one place a window is closed (the optax form and ``apply_scaled_updates``)."""
+  return engine.cond(window_ends(state, every_k), end, hold, *operands)
+
+
 def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
   """The state after a window's last micro-batch: zero gradients, new inner state."""
   zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)  # not 0 * acc: acc may hold inf
@@ -117,7 +123,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
       zeros = jax.tree.map(zeros_of_type, shapes)
       return zeros, within_window(state, total)
 
-    return engine.cond(window_ends(state, every_k), end, hold, total, state.inner_state, params)
+    return at_window_end(state, every_k, end, hold, total, state.inner_state, params)
 
   tx = AccumulateGradients(init_fn, update_fn)
   tx.inner, tx.every_k = inner, every_k
