@@ -978,3 +978,44 @@ def test_step_with_a_none_gradient_leaf_names_it_and_changes_nothing(enabled):
   with pytest.raises(ValueError, match=r"^jaxamp: the gradient of \['a'\] is None"):
     scaler.step(opt)
   assert _snapshot(scaler, opt) == before
+
+
+@pytest.mark.torch
+def test_grad_scaler_step_after_unscale_and_zero_grad_updates_nothing_as_torch():
+  # torch: unscale_ records found_inf, zero_grad() drops .grad, step() then
+  # updates nothing and update() counts a clean iteration.
+  w = torch.nn.Parameter(torch.ones(2))
+  t_opt = torch.optim.SGD([w], lr=0.1)
+  t_scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+  t_scaler.scale(torch.ones(()))
+  w.grad = torch.ones(2)
+  t_scaler.unscale_(t_opt)
+  t_opt.zero_grad()
+  t_scaler.step(t_opt)
+  t_scaler.update()
+
+  scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=1)
+  opt = jaxamp.Optimizer(optax.sgd(0.1), {"w": jnp.ones(2)})
+  scaler.scale(jnp.float32(1.0))
+  opt.grads = {"w": jnp.ones(2)}
+  scaler.unscale_(opt)
+  opt.zero_grad()
+  scaler.step(opt)
+  scaler.update()
+  assert opt.params["w"].tolist() == w.detach().tolist() == [1.0, 1.0]
+  assert scaler.get_scale() == t_scaler.get_scale() == 8.0
+
+
+def test_grad_scaler_step_refuses_a_none_gradient_momentum_cannot_skip():
+  # optax's momentum would drop the leaf's trace (a state of another shape);
+  # refused by name, nothing changed (it was an AttributeError from the skip).
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+  opt = jaxamp.Optimizer(optax.sgd(0.1, momentum=0.9), params)
+  scaler.scale(jnp.float32(1.0))
+  opt.grads = {"a": None, "b": jnp.ones(3)}
+  state_before = jax.tree.map(bits, opt.opt_state)
+  with pytest.raises(ValueError, match=r"the gradient of \['a'\] is None"):
+    scaler.step(opt)
+  assert jax.tree.map(bits, opt.opt_state) == state_before
+  assert opt.params is params

@@ -466,6 +466,9 @@ class GradScaler:
       grads, found_inf = optimizer.grads, record.found_inf
     if found_inf is None:
       raise RuntimeError(_NO_CHECKS_OPTIMIZER)
+    if grads is None:  # zero_grad() after unscale_: torch's step updates nothing
+      self._states = {**self._states, key: _Record(_Stage.STEPPED, found_inf)}
+      return
     static = (optimizer.tx, self._config.schedule_counts)
     params, opt_state = call_compiled(
       _step_unless,

@@ -190,7 +190,7 @@ def updated(
   """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``
   (a ``None`` update leaves its parameter as it is)."""
   try:
-    updates, opt_state = optax.with_extra_args_support(tx).update(
+    updates, new_state = optax.with_extra_args_support(tx).update(
       grads, opt_state, params, **extra_args
     )
   except (ValueError, TypeError) as error:
@@ -198,7 +198,13 @@ def updated(
     if none_error is None:
       raise
     raise none_error from error
-  return apply_updates(params, updates), opt_state
+  if jax.tree.structure(new_state) != jax.tree.structure(opt_state):
+    # optax's momentum drops a None gradient's trace: the state changed shape,
+    # which no later step (and no skipped branch) could take.
+    none_error = none_gradient_error(grads, params)
+    if none_error is not None:
+      raise none_error
+  return apply_updates(params, updates), new_state
 
 
 def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:

@@ -18,6 +18,15 @@ class _TypesDiffer(Exception):
   """The inner update returns other types than it takes: no loop can carry them."""
 
 
+def _differentiated(x: Any) -> bool:
+  """Whether ``x`` carries a tangent (``jax.jvp``, ``jax.grad``, ``jax.linearize``)."""
+  while isinstance(x, jax.core.Tracer):
+    if hasattr(x, "tangent"):
+      return True
+    x = getattr(x, "primal", None) if hasattr(x, "primal") else getattr(x, "val", None)
+  return False
+
+
 def _type(x: Any) -> Any:
   return jax.typeof(x).strip_weak_type()
 
@@ -64,8 +73,15 @@ def apply_unless(
     return (~go, *out)  # one trip: go is True here
 
   # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
-  # vmap its predicate is batched, and checkify cannot check a batched loop.
-  if not enabled("in_place") or not traced(found_inf) or is_batched(found_inf):
+  # vmap its predicate is batched, and checkify cannot check a batched loop;
+  # differentiated, reverse mode cannot transpose a while_loop.
+  operands = (grads, inner_state, params)
+  if (
+    not enabled("in_place")
+    or not traced(found_inf)
+    or is_batched(found_inf)
+    or any(map(_differentiated, jax.tree.leaves(operands)))
+  ):
     return conditional()
   try:
     _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))
