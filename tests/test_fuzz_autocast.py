@@ -432,7 +432,9 @@ def _draw_program(draw, infos, n_ops, nest, region=None):
       continue
     op, info = _draw_op(draw, infos, region)
     if info.kind == "float":
-      info = dataclasses.replace(info, half_here=any(infos[a].half_here for a in op.args))
+      cast = op.name == "cast" and op.extra in HALVES  # half in any region
+      half_here = cast or any(infos[a].half_here for a in op.args)
+      info = dataclasses.replace(info, half_here=half_here)
     ops.append(op)
     infos.append(info)
   return ops, infos
