@@ -372,7 +372,7 @@ def test_row_major_changes_no_value_and_keeps_the_tree():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@needs_workaround("fma_guard", "platform")
+@needs_workaround("platform")
 @pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
 def test_float16_gradients_are_unscaled_without_an_integer_guard_on_cpu(front_end):
   # On XLA CPU a float16 gradient of an applied step is rounded by its own
