@@ -48,7 +48,12 @@ def check_cond(p, s, g, scale):
 def multiply(p, s, g, scale):
   inverse = 1.0 / scale
   return lax.cond(
-    jaxamp.ops.all_finite(g), lambda p, s, g: adam_step(p, s, [x * inverse for x in g]), skip, p, s, g
+    jaxamp.ops.all_finite(g),
+    lambda p, s, g: adam_step(p, s, [x * inverse for x in g]),
+    skip,
+    p,
+    s,
+    g,
   )
 
 

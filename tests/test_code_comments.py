@@ -13,11 +13,14 @@ import re
 
 import pytest
 
+import jaxamp
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "BENCHMARKS.md"
-PACKAGE = ROOT / "jaxamp"
+# The package under test: the checkout's, or the installed wheel's (scripts/test.sh).
+PACKAGE = pathlib.Path(jaxamp.__file__).resolve().parent
 # Where the repository's own text lives (not virtual environments or builds).
-SOURCES = ["jaxamp", "tests", "docs", "benchmarks", "scripts", "examples", "parity"]
+SOURCES = ["tests", "docs", "benchmarks", "scripts", "examples", "parity"]
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".yml"}
 
 # BENCHMARKS.md, "Topic" (a comma or not), across a line break.
@@ -39,10 +42,17 @@ def flat(text):
 
 def repository_files():
   files = [p for p in ROOT.glob("*") if p.is_file() and p.suffix in SUFFIXES]
+  files += [p for p in sorted(PACKAGE.rglob("*")) if p.suffix in SUFFIXES]
   for top in SOURCES:
     files += [p for p in sorted((ROOT / top).rglob("*")) if p.suffix in SUFFIXES]
   # This file's own messages show the citation's form with a placeholder.
   return [p for p in files if p.is_file() and p.resolve() != pathlib.Path(__file__).resolve()]
+
+
+def _name(path: pathlib.Path) -> str:
+  """``path`` relative to the checkout, or to the installed package's parent."""
+  base = ROOT if path.is_relative_to(ROOT) else PACKAGE.parent
+  return str(path.relative_to(base))
 
 
 def package_files():
@@ -56,11 +66,11 @@ def test_citations_find_their_topics():
   assert "Gradient layout" in headings()
 
 
-@pytest.mark.parametrize("path", repository_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", repository_files(), ids=_name)
 def test_every_benchmarks_citation_names_a_heading(path):
   missing = sorted(set(CITATION.findall(flat(path.read_text()))) - headings())
   assert not missing, (
-    f"{path.relative_to(ROOT)} cites BENCHMARKS.md topics that are not headings of it: "
+    f"{_name(path)} cites BENCHMARKS.md topics that are not headings of it: "
     f"{missing}; cite one of {sorted(headings())}, or add the topic to BENCHMARKS.md."
   )
 
@@ -78,10 +88,10 @@ def test_benchmarks_cross_references_name_its_headings():
   assert not missing, f'BENCHMARKS.md says see "X" for topics it has no heading for: {missing}'
 
 
-@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", package_files(), ids=_name)
 def test_jaxamp_cites_topics_not_sessions_or_numbers(path):
   text = path.read_text()
-  name = path.relative_to(ROOT)
+  name = _name(path)
   assert not re.search(r"\bsessions?\b", text, flags=re.IGNORECASE), (
     f"{name} mentions a session: say why in one sentence and cite the "
     f'BENCHMARKS.md topic, (BENCHMARKS.md, "Topic").'

@@ -1033,7 +1033,12 @@ _BLOCKS = [
     ValueError,
     r"jaxamp: .*scalar",
   ),
-  ("all_finite-str-leaf", _block(jaxamp.ops.all_finite, {"w": "x"}), TypeError, r"jaxamp: .*\['w'\]"),
+  (
+    "all_finite-str-leaf",
+    _block(jaxamp.ops.all_finite, {"w": "x"}),
+    TypeError,
+    r"jaxamp: .*\['w'\]",
+  ),
   (
     "update_loss_scale-growth_interval-2.5",
     _block(functools.partial(jaxamp.ops.update_loss_scale, growth_interval=2.5), _S, _T, _F),
@@ -1043,14 +1048,19 @@ _BLOCKS = [
   (
     "update_loss_scale-growth_interval-2**32+3",
     _block(
-      functools.partial(jaxamp.ops.update_loss_scale, growth_interval=np.array(2**32 + 3)), _S, _T, _F
+      functools.partial(jaxamp.ops.update_loss_scale, growth_interval=np.array(2**32 + 3)),
+      _S,
+      _T,
+      _F,
     ),
     ValueError,
     r"growth_interval=4294967299 does not fit",
   ),
   (
     "update_loss_scale-growth_interval-float-array",
-    _block(functools.partial(jaxamp.ops.update_loss_scale, growth_interval=jnp.float32(3)), _S, _T, _F),
+    _block(
+      functools.partial(jaxamp.ops.update_loss_scale, growth_interval=jnp.float32(3)), _S, _T, _F
+    ),
     TypeError,
     r"growth_interval must be an int",
   ),

@@ -170,7 +170,9 @@ def test_unscale_at_scales_above_2_126_matches_torch(scale, dtype):
   inv = torch.full((1,), 1.0 / float(scale32), dtype=torch.float32)
   torch._amp_foreach_non_finite_check_and_unscale_([t_grads], found, inv)
   expected = t_grads.float().numpy()
-  ours = jaxamp.ops.unscale_and_check(jnp.asarray(grads, getattr(jnp, dtype)), jnp.float32(scale32))[0]
+  ours = jaxamp.ops.unscale_and_check(
+    jnp.asarray(grads, getattr(jnp, dtype)), jnp.float32(scale32)
+  )[0]
   ours = np.asarray(ours.astype(jnp.float32))
   # Where torch's float32 product g * inv is subnormal, XLA flushes it to zero:
   # the one remaining divergence. A bfloat16 result of exactly 2**-126 may be

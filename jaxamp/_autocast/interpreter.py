@@ -214,7 +214,7 @@ class Interpreter:
     hit = self.trace.cache.get(key)
     if hit is not None and hit[0] is x:
       return hit[1]
-    y = lax.convert_element_type(x, dtype)
+    y = lax.convert_element_type(x, dtype)  # type: ignore[assignment]
     self.trace.cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
     self.trace.casts += 1
     return y

@@ -198,7 +198,7 @@ def updated(
     if none_error is None:
       raise
     raise none_error from error
-  if jax.tree.structure(new_state) != jax.tree.structure(opt_state):
+  if jax.tree.structure(new_state) != jax.tree.structure(opt_state):  # type: ignore[operator]
     # optax's momentum drops a None gradient's trace: the state changed shape,
     # which no later step (and no skipped branch) could take.
     none_error = none_gradient_error(grads, params)
