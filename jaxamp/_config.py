@@ -56,10 +56,11 @@ def _key(value: Any) -> Any:
   return (type(value), value)
 
 
-def _doc(annotation: str, doc: str) -> dict[str, str]:
-  """A field's metadata: its type as the front-ends' signatures show it, and
-  its ``Args:`` entry."""
-  return {"annotation": annotation, "doc": doc}
+def _doc(annotation: str, doc: str, **torch_style_default: Any) -> dict[str, Any]:
+  """A field's metadata: its type as the front-ends' signatures show it, its
+  ``Args:`` entry, and (``torch_default=``) where the torch-style front-end's
+  default differs from the field's."""
+  return {"annotation": annotation, "doc": doc, **torch_style_default}
 
 
 @jax.tree_util.register_static
@@ -69,7 +70,11 @@ class LossScaleConfig:
 
   The one definition of every option: its default, its documentation and (in
   :func:`loss_scale_config`) its validation. The front-ends take their
-  signatures and ``Args:`` entries from here (:func:`with_options`).
+  signatures and ``Args:`` entries from here (:func:`with_options`). One
+  option has two defaults: ``schedule_counts`` counts as optax does in the
+  optax form (the field's default) and as torch does in ``GradScaler`` (its
+  ``torch_default``), each front-end keeping the semantics of the code it is
+  written next to.
 
   Numbers are Python numbers, used exactly (float64 factors, as torch), or,
   in :func:`~jaxamp.dynamic_loss_scale` under ``optax.inject_hyperparams``,
@@ -163,13 +168,15 @@ class LossScaleConfig:
     default="applied",
     metadata=_doc(
       "str",
-      '``"applied"`` (optax\'s way, the default): a skipped step leaves the '
-      "inner state untouched, schedules included, so a schedule counts applied "
-      'updates. ``"iterations"`` (torch\'s way): a skipped step still advances '
-      "the schedules in the optimizer's state (``optax.scale_by_schedule``, hence "
-      "a schedule given as a learning rate, and ``inject_hyperparams``), as "
-      "torch's ``LRScheduler.step()`` runs every iteration, while the "
-      "optimizer's own counts (Adam's) stay (docs/porting.md, \"Schedules\").",
+      "``\"iterations\"`` (torch's way, ``GradScaler``'s default): a skipped "
+      "step still advances the schedules in the optimizer's state "
+      "(``optax.scale_by_schedule``, hence a schedule given as a learning "
+      "rate, and ``inject_hyperparams``), as torch's ``LRScheduler.step()`` "
+      "runs every iteration, while the optimizer's own counts (Adam's) stay. "
+      "``\"applied\"`` (optax's way, ``dynamic_loss_scale``'s default): a "
+      "skipped step leaves the inner state untouched, schedules included, so "
+      'a schedule counts applied updates (docs/porting.md, "Schedules").',
+      torch_default="iterations",
     ),
   )
   param_labels: Any = dataclasses.field(
@@ -479,14 +486,17 @@ def _entry(name: str, doc: str, indent: str) -> str:
   return "\n".join([*lines, line])
 
 
-def with_options(*, positional: tuple[str, ...] = (), exclude: tuple[str, ...] = ()):
+def with_options(
+  *, positional: tuple[str, ...] = (), exclude: tuple[str, ...] = (), torch_style: bool = False
+):
   """Gives a front-end (a function ``fn(*own, **options)``, or a class whose
   ``__init__`` is one) the options of :class:`LossScaleConfig` (all but
-  ``exclude``): in its signature, with their defaults (the ``positional``
-  ones, in that order, positional-or-keyword, as torch's ``GradScaler`` takes
-  them; the others keyword-only), and in its docstring's ``Args:``, where the
-  line ``{options}`` stands. ``fn`` receives every option, defaults filled in;
-  an unknown keyword is a ``TypeError`` that names the known ones."""
+  ``exclude``): in its signature, with their defaults (``torch_style``: a
+  field's ``torch_default`` where it has one; the ``positional`` ones, in
+  that order, positional-or-keyword, as torch's ``GradScaler`` takes them;
+  the others keyword-only), and in its docstring's ``Args:``, where the line
+  ``{options}`` stands. ``fn`` receives every option, defaults filled in; an
+  unknown keyword is a ``TypeError`` that names the known ones."""
   fields = {f.name: f for f in dataclasses.fields(LossScaleConfig) if f.name not in exclude}
   order = [*positional, *(name for name in fields if name not in positional)]
 
@@ -495,9 +505,8 @@ def with_options(*, positional: tuple[str, ...] = (), exclude: tuple[str, ...] =
     if name in positional:
       kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     field = fields[name]
-    return inspect.Parameter(
-      name, kind, default=field.default, annotation=field.metadata["annotation"]
-    )
+    default = field.metadata.get("torch_default", field.default) if torch_style else field.default
+    return inspect.Parameter(name, kind, default=default, annotation=field.metadata["annotation"])
 
   def documented(doc: str) -> str:
     marker = next(line for line in doc.splitlines() if line.strip() == "{options}")

@@ -3,11 +3,14 @@
 Each test runs the same loop under live torch (CPU) and under jaxamp.
 """
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import bits
 
 import jaxamp
 
@@ -116,6 +119,88 @@ def test_dynamic_loss_scale_schedule_counts_applied_pauses_the_schedule():
   torch_applied = [lr for lr, c in zip(t_lrs, COEFFICIENTS) if np.isfinite(c)]
   assert applied == pytest.approx([0.5 * 0.8**i for i in range(len(applied))], rel=1e-6)
   assert applied[2] == pytest.approx(torch_applied[2] / 0.8**2, rel=1e-6)
+
+
+def _halving(count):  # LambdaLR(lambda i: 0.5 ** i) on lr=0.5: exact in float32 and float64
+  return 0.5 * jnp.power(0.5, count.astype(jnp.float32))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("jit", [False, True])
+def test_grad_scaler_default_schedule_follows_torchs_lr_sequence(jit):
+  # A port that leaves schedule_counts out: GradScaler's default is torch's
+  # (the schedule counts iterations, skipped ones included).
+  param = torch.nn.Parameter(torch.tensor(START))
+  t_opt = torch.optim.SGD([param], lr=0.5)
+  sched = torch.optim.lr_scheduler.LambdaLR(t_opt, lambda i: 0.5**i)
+  t_scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=3)
+  scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=3)
+  opt = jaxamp.Optimizer(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=_halving), {"w": jnp.asarray(START)}
+  )
+
+  def iteration(scaler, opt, c):
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"] * c)))(opt.params)
+    scaler.step(opt)
+    scaler.update()
+    return scaler, opt
+
+  iteration = jax.jit(iteration) if jit else iteration
+  t_applied, applied, t_skipped, skipped = [], [], [], []
+  for i, c in enumerate(COEFFICIENTS):
+    t_opt.zero_grad()
+    t_scaler.scale((param * torch.tensor(np.float32(c))).sum()).backward()
+    lr, before = t_opt.param_groups[0]["lr"], t_scaler.get_scale()
+    t_scaler.step(t_opt)
+    t_scaler.update()
+    sched.step()
+    if t_scaler.get_scale() < before:
+      t_skipped.append(i)
+    else:
+      t_applied.append(np.float32(lr))
+    scaler, opt = iteration(scaler, opt, jnp.float32(c))
+    if int(scaler.consecutive_skipped_updates):
+      skipped.append(i)
+    else:
+      applied.append(np.asarray(opt.opt_state.hyperparams["learning_rate"]))
+    assert scaler.get_scale() == t_scaler.get_scale(), i
+    np.testing.assert_allclose(np.asarray(opt.params["w"]), param.detach().numpy(), rtol=1e-6)
+  assert skipped == t_skipped == [2, 3, 7]
+  assert bits(applied) == bits(t_applied)  # the lr of every applied step, bit for bit
+  assert int(opt.opt_state.count) == sched.last_epoch == len(COEFFICIENTS)
+
+
+@pytest.mark.torch
+def test_grad_scaler_schedule_counts_applied_is_optaxs_and_leaves_torchs_curve():
+  # The opt-out, and what the default protects a port from: counting applied
+  # updates, the schedule runs behind torch's by the skipped steps.
+  t_lrs, _, _ = _torch_run()
+  scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=3, schedule_counts="applied")
+  opt = jaxamp.Optimizer(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule), {"w": jnp.asarray(START)}
+  )
+  applied = []
+  for c in COEFFICIENTS:
+    opt.grads = jax.grad(lambda p, c=c: scaler.scale(jnp.sum(p["w"] * c)))(opt.params)
+    scaler.step(opt)
+    scaler.update()
+    if not int(scaler.consecutive_skipped_updates):
+      applied.append(float(opt.opt_state.hyperparams["learning_rate"]))
+  assert applied == pytest.approx([0.5 * 0.8**i for i in range(len(applied))], rel=1e-6)
+  assert applied[2] == pytest.approx(t_lrs[4] / 0.8**2, rel=1e-6)
+
+
+def test_schedule_counts_defaults_are_torchs_in_grad_scaler_and_optaxs_in_the_optax_form():
+  def default(front_end):
+    return inspect.signature(front_end).parameters["schedule_counts"].default
+
+  assert default(jaxamp.GradScaler) == jaxamp.GradScaler()._config.schedule_counts == "iterations"
+  assert default(jaxamp.dynamic_loss_scale) == "applied"
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(optax.linear_schedule(1.0, 0.0, 10)), init_scale=4.0)
+  state = tx.init({"w": jnp.ones(3)})
+  _, state = tx.update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, {"w": jnp.ones(3)})
+  assert int(state.inner_state[-1].count) == 0  # skipped: optax's schedule did not move
 
 
 def test_schedule_counts_iterations_keeps_the_optimizers_own_count():

@@ -175,6 +175,7 @@ def _key_of(optimizer: Any) -> int:
 @with_options(
   positional=("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"),
   exclude=("axis_name", "param_labels"),
+  torch_style=True,
 )
 @jax.tree_util.register_pytree_node_class
 class GradScaler:
@@ -201,7 +202,9 @@ class GradScaler:
 
   Its options are :func:`~jaxamp.dynamic_loss_scale`'s (but ``axis_name`` and
   ``param_labels``), as Python numbers; torch's five come first and may be
-  given by position. ``update()`` applies them to the found_inf combined over
+  given by position. One default differs, to keep torch's semantics in a
+  torch port: ``schedule_counts="iterations"``, the schedules in the optimizer
+  state advance on a skipped step, as torch's ``scheduler.step()`` does. ``update()`` applies them to the found_inf combined over
   all optimizers (``detect_unscale_overflow``: ``unscale_``/``step``).
 
   Args:
@@ -434,8 +437,10 @@ class GradScaler:
     """Applies ``optimizer``'s update unless its own gradients held inf/NaN.
 
     Unscales first if ``unscale_`` was not called. The update runs under
-    ``lax.cond``: on a skipped step ``params`` and ``opt_state`` are returned
-    untouched, bit for bit (Adam's count does not advance). ``opt.grads`` holds
+    ``lax.cond``: on a skipped step ``params`` are returned untouched, bit for
+    bit, and so is ``opt_state`` but for its schedules' counts, which advance
+    as torch's ``scheduler.step()`` (``schedule_counts``; Adam's own count
+    does not advance). ``opt.grads`` holds
     the unscaled gradients afterwards, inf/NaN included. Keyword arguments are
     passed to ``tx.update``. Disabled: ``optimizer.step(**extra_args)``.
 
