@@ -46,7 +46,12 @@ from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from jaxamp._frontends.fused import apply_scaled_updates
-from jaxamp._frontends.state_access import field_array, find_loss_scale_state, get_loss_scale
+from jaxamp._frontends.state_access import (
+  field_array,
+  find_loss_scale_state,
+  get_loss_scale,
+  outliving_donation,
+)
 from jaxamp._torch.scaling import multiply_by_scale
 
 _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
@@ -245,7 +250,8 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
     ``skipped_steps`` (int32, total skipped updates: read this one, not
     ``nnx.Optimizer.step`` or ``TrainState.step``, which count skipped updates
     too) and ``consecutive_skipped_steps`` (int32, skipped since the last
-    applied update). All are arrays of shape ``[]``.
+    applied update). All are arrays of shape ``[]``; outside ``jit``, copies,
+    which a later step that donates the state does not delete.
 
   Raises:
     ValueError: there is no jaxamp state in ``opt_state_or_optimizer``, or
@@ -261,12 +267,13 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
     {'loss_scale': 4.0, 'skipped': True, 'skipped_steps': 1, 'consecutive_skipped_steps': 1}
   """
   state = find_loss_scale_state(opt_state_or_optimizer)
-  return {
-    "loss_scale": field_array(state.loss_scale),
-    "skipped": field_array(state.found_inf),
-    "skipped_steps": field_array(state.skipped_steps),
-    "consecutive_skipped_steps": field_array(state.consecutive_skipped_steps),
+  fields = {
+    "loss_scale": state.loss_scale,
+    "skipped": state.found_inf,
+    "skipped_steps": state.skipped_steps,
+    "consecutive_skipped_steps": state.consecutive_skipped_steps,
   }
+  return {name: outliving_donation(field_array(field)) for name, field in fields.items()}
 
 
 def update(

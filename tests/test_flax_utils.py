@@ -254,6 +254,26 @@ def test_loss_scale_metrics_dtypes_and_shapes_linen():
   }
 
 
+def test_loss_scale_metrics_read_outside_jit_survive_a_donating_step():
+  """Issue #31, item 5: the metrics read between two steps that donate the state
+  stay readable (they were the state's own buffers, deleted by the donation)."""
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  step = jax.jit(lambda s, g: tx.update(g, s, params)[1], donate_argnums=0)
+  state = step(state, {"w": jnp.array([1.0, jnp.inf, 1.0])})  # skipped: scale 4
+  metrics = flax_utils.loss_scale_metrics(state)
+  own = state.loss_scale
+  step(state, {"w": jnp.ones(3)})
+  assert own.is_deleted()  # control: the donation deleted the state's buffers
+  assert {k: v.item() for k, v in metrics.items()} == {
+    "loss_scale": 4.0,
+    "skipped": True,
+    "skipped_steps": 1,
+    "consecutive_skipped_steps": 1,
+  }
+
+
 # ---------------------------------------------------------------- fast update paths
 
 # Added to the scaled grads, step by step: 0 leaves them as they are.

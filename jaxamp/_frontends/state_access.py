@@ -144,14 +144,18 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
       the gradients of the scaled loss as given (see :func:`check_placement`).
   """
   check_placement(opt_state)
-  scale = field_array(find_loss_scale_state(opt_state).loss_scale)
-  if isinstance(scale, jax.core.Tracer):
-    return scale
-  # Outside jit, a copy: the state's own buffer dies with a step that donates it.
-  # Inside jit a concrete (captured) scale stays as it is, a constant, which
+  return outliving_donation(field_array(find_loss_scale_state(opt_state).loss_scale))
+
+
+def outliving_donation(value: jax.Array) -> jax.Array:
+  """``value`` (a state's field), or outside ``jit`` a copy of it: the state's
+  own buffer dies with a later step that donates the state."""
+  if isinstance(value, jax.core.Tracer):
+    return value
+  # Inside jit a concrete (captured) value stays as it is, a constant, which
   # flax_utils checks for; the copy's tracer is dead code there.
-  copied = jnp.array(scale, copy=True)
-  return scale if isinstance(copied, jax.core.Tracer) else copied
+  copied = jnp.array(value, copy=True)
+  return value if isinstance(copied, jax.core.Tracer) else copied
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
