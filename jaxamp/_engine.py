@@ -33,7 +33,7 @@ from jaxamp._torch.core import LossScaleCore, advance
 from jaxamp._torch.groups import skipped_leaves
 from jaxamp._torch.schedules import advance_schedule_counts
 from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
-from jaxamp._validation import is_array_leaf
+from jaxamp._validation import is_array_leaf, is_none
 from jaxamp._xla.fma_guard import rounded_unscaled
 from jaxamp._xla.in_place import apply_unless
 
@@ -196,15 +196,20 @@ def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):
   return jax.tree.unflatten(update_def, update_leaves), new_state._replace(inner_states=states)
 
 
-def keep_skipped_params(params: Any, stepped: Any, check: Check, labels: list | None) -> Any:
+def keep_skipped_params(
+  params: Any, stepped: Any, check: Check, labels: list | None, grads: Any
+) -> Any:
   """``stepped`` with the params of every skipped group as they were (all of
-  them without groups)."""
+  them without groups); ``labels`` and ``check`` are those of the array
+  leaves of ``grads`` (a ``None`` gradient's param was not stepped)."""
   if labels is None:
     return params
-  skipped = skipped_leaves(check.nonfinite, labels)
-  leaves, treedef = jax.tree.flatten(params)
-  kept = [jnp.where(s, p, n) for s, p, n in zip(skipped, leaves, jax.tree.leaves(stepped))]
-  return jax.tree.unflatten(treedef, kept)
+  skipped = iter(skipped_leaves(check.nonfinite, labels))
+
+  def keep(param: Any, new: Any, grad: Any) -> Any:
+    return new if grad is None else jnp.where(next(skipped), param, new)
+
+  return jax.tree.map(keep, params, stepped, grads, is_leaf=is_none)
 
 
 def iteration(

@@ -37,6 +37,22 @@ def apply_updates(params: Any, updates: Any) -> Any:
   return jax.tree.map(apply, params, updates, is_leaf=is_none)
 
 
+def none_expanded(grads: Any, params: Any) -> Any:
+  """``grads`` with a ``None`` that stands for a whole subtree of ``params``
+  (a model not stepped now: ``{"d": grads_d, "g": None}``) as a ``None`` per
+  leaf; as given when it is no prefix of ``params`` (the shape check says so)."""
+  if params is None or not any(g is None for g in jax.tree.leaves(grads, is_leaf=is_none)):
+    return grads
+
+  def expand(grad: Any, param: Any) -> Any:
+    return jax.tree.map(lambda _: None, param, is_leaf=is_none) if grad is None else grad
+
+  try:
+    return jax.tree.map(expand, grads, params, is_leaf=is_none)
+  except (ValueError, TypeError):
+    return grads
+
+
 def check_float_gradients(grads: Any) -> None:
   """Raises TypeError naming the first leaf that is not a float array."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:

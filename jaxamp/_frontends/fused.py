@@ -28,6 +28,7 @@ from jaxamp._validation import (
   arrays_only,
   check_float_gradients,
   check_same_structure,
+  none_expanded,
   with_non_arrays,
 )
 from jaxamp._xla.compile_cache import call_compiled, traced
@@ -150,6 +151,7 @@ def apply_scaled_updates(
     )
   if config.enabled:
     _check_sees_grads_as_given(opt_state)
+  grads = none_expanded(grads, params)
   check_float_gradients(grads)
   check_same_structure(grads, params)
   eager = not traced((grads, opt_state))
@@ -211,7 +213,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
     if labels is None:  # nothing applied: the state typed as the applied branch's
       return params, engine.typed_like(new_state, output_types(params, opt_state)[1])
     stepped = apply_updates(params, updates)  # the finite groups' updates
-    return engine.keep_skipped_params(params, stepped, check, labels), new_state
+    return engine.keep_skipped_params(params, stepped, check, labels, grads), new_state
 
   # params and opt_state are the branches' operands, so a donated buffer is
   # updated in place, and a skipped step leaves it untouched without a copy.

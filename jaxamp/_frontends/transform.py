@@ -12,9 +12,15 @@ import optax
 from jaxamp import _engine as engine
 from jaxamp._config import LossScaleConfig, loss_scale_config, with_options
 from jaxamp._engine import Check
-from jaxamp._torch.core import LossScaleCore, check_skip_limit, init_core
-from jaxamp._torch.groups import ParamLabels, grouped
-from jaxamp._validation import check_float_gradients, check_same_structure, flag_slots, set_flags
+from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
+from jaxamp._torch.groups import ParamLabels, SteppedGroups, check_steps, grouped
+from jaxamp._validation import (
+  check_float_gradients,
+  check_same_structure,
+  flag_slots,
+  none_expanded,
+  set_flags,
+)
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.layout import row_major
 
@@ -29,7 +35,9 @@ class DynamicLossScaleState(NamedTuple):
     loss_scale: the scale to multiply the next loss by, float32 ``[]``.
     growth_tracker: consecutive finite updates since the last growth or
       backoff, int32 ``[]`` (torch's ``_growth_tracker``).
-    found_inf: whether the last update found inf/NaN and was skipped, bool ``[]``.
+    found_inf: whether the last update found inf/NaN and was skipped, bool ``[]``
+      (after a step with ``update_scale=False``: whether any group stepped
+      since the scale last advanced found inf/NaN).
     skipped_steps: total skipped updates, int32 ``[]`` (saturates at 2**31-1).
     consecutive_skipped_steps: skipped updates since the last applied one,
       int32 ``[]`` (saturating).
@@ -40,6 +48,10 @@ class DynamicLossScaleState(NamedTuple):
       (``jax.tree.leaves`` order), whether its gradient held inf/NaN in the
       last skipped step, bool ``[n_leaves]`` (never for a ``None`` gradient
       or a non-array leaf); see :func:`jaxamp.ops.nonfinite_leaf_paths`.
+    stepped_groups: the ``param_labels`` groups stepped with
+      ``update_scale=False`` since the scale last advanced: static, no leaves,
+      part of the tree structure (empty but between such a step and the
+      iteration's last update).
     config: the configuration the transformation was built with: static, no
       leaves, part of the tree structure (build ``shard_map`` specs from this
       state, not another transformation's); injected hyperparameters are
@@ -55,6 +67,7 @@ class DynamicLossScaleState(NamedTuple):
   hysteresis_tracker: jax.Array
   update_count: jax.Array
   nonfinite_leaves: jax.Array
+  stepped_groups: SteppedGroups
   config: LossScaleConfig
   inner_state: optax.OptState
 
@@ -83,12 +96,13 @@ class CheckedState:
 
 def _update(static, grads, state, params, extra_args, checked, injected):
   """One torch iteration of the engine, with ``inner`` as the update."""
-  inner, recorded, eager, slots = static
+  inner, recorded, eager, slots, update_scale, stepping = static
   config = recorded.replace(**injected)
   if config.param_labels is None:
     inner, labels = optax.with_extra_args_support(inner), None
   else:
-    inner, labels = grouped(dict(inner), config.param_labels), config.param_labels.of(grads)
+    labels = config.param_labels.of(grads)
+    inner = grouped(dict(inner), config.param_labels, stepped=set(labels))
   if checked is None:
     grads = row_major(grads)  # before the step's loop or cond: see row_major
     check = engine.check(grads, state.loss_scale, config, state)
@@ -98,9 +112,12 @@ def _update(static, grads, state, params, extra_args, checked, injected):
   def update(unscaled, inner_state, params):
     return inner.update(unscaled, inner_state, params, **extra_args)
 
+  pending = state.stepped_groups.labels
+  shared = bool(pending) or not update_scale  # other groups' steps share this advance
+  eager = eager or bool(checked and checked.eager)
   (updates, inner_state), core = engine.iteration(
     core_of(state),
-    config,
+    config.replace(max_consecutive_skips=None) if shared else config,
     check,
     update,
     grads,
@@ -108,12 +125,22 @@ def _update(static, grads, state, params, extra_args, checked, injected):
     params,
     labels=labels,
     branch=None if checked is None else checked.found_inf,
-    eager=eager or bool(checked and checked.eager),
+    eager=eager,
   )
+  # torch's update() advances once on the found_inf of every optimizer
+  # stepped since the last one; each group above skipped on its own.
+  found_before = state.found_inf if pending else jnp.zeros([], bool)
+  found_inf = found_before | check.found_inf
+  if shared and update_scale:
+    core = advance(core_of(state), found_inf, config, eager=eager)
+  elif shared:
+    core = core_of(state)._replace(found_inf=found_inf)
   nonfinite = set_flags(state.nonfinite_leaves, slots, check.nonfinite)
-  nonfinite = jnp.where(core.found_inf, nonfinite, state.nonfinite_leaves)
+  nonfinite = nonfinite | (state.nonfinite_leaves & found_before)
+  nonfinite = jnp.where(found_inf, nonfinite, state.nonfinite_leaves)
+  stepped = SteppedGroups(() if update_scale else (*pending, *stepping))
   return updates, state._replace(
-    **core._asdict(), nonfinite_leaves=nonfinite, inner_state=inner_state
+    **core._asdict(), nonfinite_leaves=nonfinite, stepped_groups=stepped, inner_state=inner_state
   )
 
 
@@ -207,19 +234,25 @@ def dynamic_loss_scale(
     return DynamicLossScaleState(
       **init_core(config)._asdict(),
       nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], bool),
+      stepped_groups=SteppedGroups(),
       config=recorded,
       inner_state=inner.init(params),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, update_scale=True, **extra_args):
     checked = None
     if isinstance(state, CheckedState):  # from inside apply_scaled_updates' branch
       checked, state = state, state.state
     check_state(state, recorded)
+    updates = none_expanded(updates, params)
     check_float_gradients(updates)
     check_same_structure(updates, params)
-    if not config.enabled:
-      updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    step_labels = None if labels is None else labels.of(updates)
+    stepping = check_steps(state.stepped_groups, step_labels, update_scale, labels is not None)
+    if not config.enabled:  # torch's disabled scaler: each step() is the optimizer's own
+      tx = inner if labels is None else grouped(dict(static_inner), labels, set(stepping))
+      tx = optax.with_extra_args_support(tx)
+      updates, inner_state = tx.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
     slots = flag_slots(updates, params, state.nonfinite_leaves.shape[0])
     if params is None:  # no params to check the shapes against: the inner update's
@@ -229,7 +262,9 @@ def dynamic_loss_scale(
       check_same_structure(updates, shapes)
     arguments = (updates, state, params, extra_args, checked, config.arrays())
     eager = not traced((updates, state))
-    updates, new_state = call_compiled(_update, (*static, eager, slots), *arguments)
+    updates, new_state = call_compiled(
+      _update, (*static, eager, slots, bool(update_scale), stepping), *arguments
+    )
     if eager:  # outside jit: a clear error, and the caller's state as it was
       check_skip_limit(core_of(new_state), config)
     return updates, new_state

@@ -5,16 +5,27 @@ one shared scale off once. :func:`~jaxamp.dynamic_loss_scale` does the same
 when given ``{label: transformation}`` and ``param_labels`` (as
 ``optax.multi_transform`` takes them): a group is skipped only when its own
 gradients are not finite.
+
+Optimizers that step one after the other (a GAN's discriminator, then its
+generator, whose loss reads the discriminator just updated) share the scale
+the same way: each ``update`` steps the groups that have gradients (``None``
+for a group not stepped now), and ``update_scale=False`` holds the scale's
+advance until the last group of the iteration has stepped, as torch's
+``scaler.step(opt_d); scaler.step(opt_g); scaler.update()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from jaxamp._validation import is_none
 
 
 class ParamLabels:
@@ -36,19 +47,37 @@ class ParamLabels:
     return f"ParamLabels({self.labels!r})"
 
   def of(self, grads: Any) -> list[Any]:
-    """The label of each array leaf of ``grads``, in ``jax.tree.leaves`` order."""
+    """The label of each array leaf of ``grads``, in ``jax.tree.leaves`` order
+    (a ``None`` gradient has none); the labels may be a prefix of the
+    gradients' tree, as ``optax.multi_transform`` takes them."""
     labels = self.labels(grads) if callable(self.labels) else self.labels
-    label_leaves, label_def = jax.tree.flatten(labels)
-    if label_def != jax.tree.structure(grads):  # type: ignore[operator]
+    grad_leaves, grad_def = jax.tree.flatten(grads, is_leaf=is_none)
+
+    def spread(label: Any, subtree: Any) -> Any:
+      return jax.tree.map(lambda _: label, subtree, is_leaf=is_none)
+
+    try:
+      label_leaves = jax.tree.leaves(jax.tree.map(spread, labels, grads), is_leaf=is_none)
+    except (ValueError, TypeError):
+      label_leaves = None
+    if label_leaves is None or len(label_leaves) != len(grad_leaves):
       raise ValueError(
-        "jaxamp: param_labels does not have the structure of the gradients.\n"
-        f"  labels:    {label_def}\n  gradients: {jax.tree.structure(grads)}"
+        "jaxamp: param_labels does not have the structure of the gradients, nor a "
+        f"prefix of it.\n  labels:    {jax.tree.structure(labels)}\n  gradients: {grad_def}"
       )
-    return label_leaves
+    return [label for label, grad in zip(label_leaves, grad_leaves) if grad is not None]
 
 
-def grouped(inner: Mapping[str, optax.GradientTransformation], labels: ParamLabels):
-  """``optax.multi_transform(inner, labels)``, checked."""
+def grouped(
+  inner: Mapping[str, optax.GradientTransformation],
+  labels: ParamLabels,
+  stepped: Any = None,
+):
+  """``optax.multi_transform(inner, labels)``, checked; with ``stepped`` (the
+  labels that have gradients), the other groups are not stepped: their
+  transformation is not called and their state comes back as it was (torch:
+  an optimizer whose ``step()`` is not called; optax's Adam would count a
+  step of ``None`` gradients)."""
   if not isinstance(inner, Mapping) or not all(
     isinstance(tx, optax.GradientTransformation) for tx in inner.values()
   ):
@@ -57,7 +86,72 @@ def grouped(inner: Mapping[str, optax.GradientTransformation], labels: ParamLabe
       "(one per optimizer, as optax.multi_transform), got "
       f"{type(inner).__name__}."
     )
+  if stepped is not None:
+    inner = {label: tx if label in stepped else _idle(tx) for label, tx in inner.items()}
   return optax.multi_transform(dict(inner), labels.labels)
+
+
+def _idle(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` not stepped: its ``None`` updates and its state passed through."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    return updates, state
+
+  return optax.GradientTransformation(tx.init, update_fn)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SteppedGroups:
+  """The groups stepped with ``update_scale=False`` since the scale last
+  advanced, in the order they stepped: static (part of the state's tree
+  structure, no leaves), so misuse is found while tracing, with no host read."""
+
+  labels: tuple = ()
+
+  def __repr__(self) -> str:
+    return f"SteppedGroups({self.labels!r})"
+
+
+def check_steps(
+  pending: SteppedGroups, labels: list[Any] | None, update_scale: Any, has_groups: bool
+) -> tuple[Any, ...]:
+  """The groups this update steps (``labels``: those of its gradients),
+  checked against the ones stepped since the scale last advanced. Raises,
+  before anything changes, what torch refuses (stepping an optimizer twice
+  before ``update()``, an ``update()`` with nothing stepped) and an
+  ``update_scale`` that cannot be kept."""
+  if not isinstance(update_scale, (bool, np.bool_)):
+    raise TypeError(
+      f"jaxamp: update_scale must be True or False (a Python bool: it decides the "
+      f"state's structure), got {update_scale!r}."
+    )
+  if not has_groups:
+    if not update_scale:
+      raise ValueError(
+        "jaxamp: update_scale=False holds the scale for optimizers that step one after "
+        "the other, which needs several: build dynamic_loss_scale({label: optimizer}, "
+        "param_labels=...) and pass None gradients for the groups not stepped now."
+      )
+    return ()
+  new = tuple(dict.fromkeys(labels or ()))
+  twice = [label for label in new if label in pending.labels]
+  if twice:
+    raise ValueError(
+      f"jaxamp: the group {twice[0]!r} was already stepped since the loss scale last "
+      f"advanced (steps with update_scale=False: {list(pending.labels)}); torch refuses "
+      "step() twice before update(). Let the last update of each iteration advance the "
+      "scale (update_scale=True, the default), and give this group None gradients "
+      "in the updates that do not step it."
+    )
+  if not new and not (update_scale and pending.labels):
+    raise ValueError(
+      "jaxamp: every gradient is None, so no group steps"
+      + (" and no earlier step awaits the scale's advance" if update_scale else "")
+      + "; pass the gradients of the groups to step (None for the others)."
+    )
+  return new
 
 
 def skipped_leaves(nonfinite: jax.Array, labels: list[Any] | None) -> jax.Array:
