@@ -203,6 +203,30 @@ def test_schedule_counts_defaults_are_torchs_in_grad_scaler_and_optaxs_in_the_op
   assert int(state.inner_state[-1].count) == 0  # skipped: optax's schedule did not move
 
 
+class _CountingSchedule:  # a stateful schedule (init, update, __call__), not a function
+  def init(self):
+    return jnp.zeros([], jnp.int32)
+
+  def update(self, state, **extra_args):
+    return state + 1
+
+  def __call__(self, state, **extra_args):
+    return 0.1 / (1 + state)
+
+
+def test_grad_scaler_default_refuses_a_stateful_schedule_it_cannot_advance():
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=_CountingSchedule())
+  scaler, opt = jaxamp.GradScaler(), jaxamp.Optimizer(tx, {"w": jnp.ones(2)})
+  opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(opt.params)
+  with pytest.raises(TypeError, match=r"GradScaler's default\) cannot advance .*'applied'"):
+    scaler.step(opt)
+  assert opt.params["w"].tolist() == [1.0, 1.0]
+  scaler = jaxamp.GradScaler(schedule_counts="applied")
+  opt.grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(opt.params)
+  scaler.step(opt)
+  assert opt.params["w"].tolist() == pytest.approx([0.9, 0.9])
+
+
 def test_schedule_counts_iterations_keeps_the_optimizers_own_count():
   tx = jaxamp.dynamic_loss_scale(
     optax.adam(optax.linear_schedule(1.0, 0.0, 10)), init_scale=4.0, schedule_counts="iterations"

@@ -32,8 +32,8 @@ def _advanced(node: Any) -> Any:
     for name, schedule_state in node.hyperparams_states.items():
       if not isinstance(schedule_state, _WRAPPED_SCHEDULE_STATE):
         raise TypeError(
-          f"jaxamp: schedule_counts='iterations' cannot advance the stateful schedule "
-          f"of {name!r} ({type(schedule_state).__name__}) on a skipped step; give "
+          f"jaxamp: schedule_counts='iterations' (GradScaler's default) cannot advance "
+          f"the stateful schedule of {name!r} on a skipped step; give "
           "inject_hyperparams a plain schedule function, or use schedule_counts='applied'."
         )
     node = node._replace(
