@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,7 +23,16 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import core as jex_core
 
-from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER, POLICIES
+from jaxamp._autocast.policies import (
+  ACCUMULATE_F32,
+  EXACT_DTYPE,
+  F32,
+  FUSED_F32,
+  FUSED_FUNCTIONS,
+  HALF,
+  LOWER,
+  POLICIES,
+)
 
 
 class Mode(NamedTuple):
@@ -31,6 +41,7 @@ class Mode(NamedTuple):
   dtype: Any  # the lower-precision dtype of matmuls and convs; None: no lower-precision list
   fp32: frozenset[str]  # the primitives run in float32
   as_written: bool = False  # every equation as the traced program has it
+  policy: str | None = None  # "cpu" or "cuda": whose fused kernels (policies.FUSED_F32)
 
 
 # A region's equations carry its name scope; each equation runs by the
@@ -55,7 +66,7 @@ def policy_scope(dtype: Any, policy: str) -> str:
 
 for _half in HALF:
   for _policy, _fp32 in POLICIES.items():
-    _MODES[policy_scope(_half, _policy)] = Mode(_half, _fp32)
+    _MODES[policy_scope(_half, _policy)] = Mode(_half, _fp32, policy=_policy)
 _SCOPES = re.compile("|".join(sorted(_MODES, key=len, reverse=True)))
 
 # True while an autocast call traces its function: an autocast or
@@ -229,17 +240,78 @@ class Interpreter:
         return self._mark(np.asarray(v.val, getattr(v.aval, "dtype", None)), "scalar")
       return env[v]
 
-    for v, x in zip(jaxpr.constvars, consts):
-      env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-      env[v] = x
-    for eqn in jaxpr.eqns:
-      outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
+    def run(eqn: Any, interp: Interpreter, env: dict[Any, Any]) -> None:
+      outs = interp.eval_eqn(eqn, [read(v) for v in eqn.invars])
       if not eqn.primitive.multiple_results:
         outs = [outs]
       for v, x in zip(eqn.outvars, outs):
         env[v] = x
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    spans = _fused_spans(jaxpr)
+    i = 0
+    while i < len(jaxpr.eqns):
+      span = spans.get(i)
+      if span is None:
+        run(jaxpr.eqns[i], self, env)
+        i += 1
+        continue
+      eqns = jaxpr.eqns[i : span.end]
+      half = self._fused_dtype(eqns, read)
+      if half is None:
+        for eqn in eqns:
+          run(eqn, self, env)
+      else:
+        self._fused(span, eqns, env, read, half)
+      i = span.end
     return [read(v) for v in jaxpr.outvars]
+
+  def _fused(
+    self, span: _Span, eqns: list[Any], env: dict[Any, Any], read: Callable[[Any], Any], half: Any
+  ) -> None:
+    """A call of a fused op as torch's kernel computes it: in float32, from its
+    inputs cast up, its result rounded to ``half`` once, or kept float32 where
+    the policy's float32 list has the op. The equations run as written, but
+    where torch's CPU kernel computes otherwise (``_CPU_KERNELS``)."""
+    mode = _region(eqns[0], self.mode)
+    exact = self.in_mode(_MODES[AS_WRITTEN_SCOPE])
+    kernel = _CPU_KERNELS.get(span.op) if mode.policy == "cpu" else None
+    outs = kernel(exact, eqns, read, half, span.outs) if kernel is not None else None
+    if outs is None:
+      for eqn in eqns:
+        args = [read(v) for v in eqn.invars]
+        out = exact.eval_eqn(eqn, args)
+        for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
+          env[v] = x
+      outs = [env[v] for v in span.outs]
+    to_half = span.op not in FUSED_F32[mode.policy]
+    for v, x in zip(span.outs, outs):
+      env[v] = self.cast(x, half) if to_half and np.dtype(v.aval.dtype) == F32 else x
+
+  def _fused_dtype(self, eqns: list[Any], read: Callable[[Any], Any]) -> Any:
+    """The half dtype a call of a fused op (``eqns``) gets its inputs in, where
+    the traced program has them float32: what its result rounds to. None where
+    it runs primitive by primitive: no input made half, inputs in two half
+    dtypes, or autocast off."""
+    mode = _region(eqns[0], self.mode)
+    if mode.dtype is None or mode.as_written or any(_region(e, self.mode) != mode for e in eqns):
+      return None
+    defined: set[Any] = set()
+    halves = set()
+    for eqn in eqns:
+      for v in eqn.invars:
+        if isinstance(v, jex_core.Literal) or v in defined:
+          continue
+        dtype = np.dtype(read(v).dtype)
+        if dtype in HALF:
+          if np.dtype(v.aval.dtype) != F32:
+            return None  # a half value the function made itself: JAX's own arithmetic
+          halves.add(dtype)
+      defined.update(eqn.outvars)
+    return halves.pop() if len(halves) == 1 else None
 
   def original(self, eqn: Any, args: list[Any]) -> Any:
     """The equation as the original jaxpr has it: inputs cast back to its dtypes."""
@@ -366,6 +438,178 @@ class Interpreter:
       return self.fresh().eval_jaxpr(closed.jaxpr, closed.consts, args)
 
     return fn
+
+
+class _Span(NamedTuple):
+  """One call of a fused op: equations ``start:end`` of a jaxpr."""
+
+  end: int
+  op: str  # a value of policies.FUSED_FUNCTIONS
+  outs: tuple[Any, ...]  # the variables it defines that are read after it
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_op(code: Any) -> str | None:
+  """The fused op whose function ``code`` is, if any."""
+  filename = code.co_filename.replace("\\", "/")
+  qualname = getattr(code, "co_qualname", code.co_name)
+  for (suffix, name), op in FUSED_FUNCTIONS.items():
+    if qualname == name and filename.endswith(suffix):
+      return op
+  return None
+
+
+def _frames(eqn: Any) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+  """The code objects and instruction offsets of ``eqn``'s traceback, innermost first."""
+  tb = eqn.source_info.traceback
+  if tb is None:
+    return (), ()
+  codes, lastis = tb.raw_frames()
+  return tuple(codes), tuple(lastis)
+
+
+def _fused_call(eqn: Any) -> tuple[str, Any, Any] | None:
+  """``(op, call, frames)`` when ``eqn`` belongs to a call of a fused op: the
+  outermost fused op in its traceback, the call site (the frames outside the op,
+  with their offsets) and its whole traceback. A ``jit`` equation of a jitted
+  fused op (``jax.nn.log_softmax``) is a call by itself."""
+  codes, lastis = _frames(eqn)
+  for k in range(len(codes) - 1, -1, -1):
+    op = _code_op(codes[k])
+    if op is not None:
+      return op, (codes[k], codes[k + 1 :], lastis[k + 1 :]), (codes, lastis)
+  inner = eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit") else None
+  if inner is not None and inner.jaxpr.eqns:
+    # an inner trace's tracebacks end at the function jit traced
+    traced = _frames(inner.jaxpr.eqns[0])[0]
+    op = _code_op(traced[-1]) if traced else None
+    if op is not None:
+      return op, ("jit", id(eqn)), (codes, lastis)
+  return None
+
+
+def _fused_spans(jaxpr: Any) -> dict[int, _Span]:
+  """The calls of fused ops in ``jaxpr``, by their first equation. A call's
+  equations are consecutive (the trace records them in order); one that starts
+  where the same call site's last ended starts with its first equation's
+  traceback (two calls from one line, as in a loop)."""
+  calls = [_fused_call(eqn) for eqn in jaxpr.eqns]
+  if not any(calls):
+    return {}
+  last_read: dict[Any, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jex_core.Literal):
+        last_read[v] = i
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex_core.Literal):
+      last_read[v] = len(jaxpr.eqns)
+  spans = {}
+  i = 0
+  while i < len(calls):
+    call = calls[i]
+    if call is None:
+      i += 1
+      continue
+    op, site, first = call
+    end = i + 1
+    while end < len(calls):
+      nxt = calls[end]
+      if nxt is None or nxt[:2] != (op, site):
+        break
+      if nxt[2] == first and calls[end - 1][2] != first:  # type: ignore[index]
+        break
+      end += 1
+    outs = tuple(v for eqn in jaxpr.eqns[i:end] for v in eqn.outvars if last_read.get(v, -1) >= end)
+    spans[i] = _Span(end, op, outs)
+    i = end
+  return spans
+
+
+def _primitive_eqns(eqns: list[Any]) -> list[Any]:
+  """``eqns`` with the equations of ``jit`` calls in place of the calls."""
+  out = []
+  for eqn in eqns:
+    if eqn.primitive.name in ("pjit", "jit"):
+      out += _primitive_eqns(eqn.params["jaxpr"].jaxpr.eqns)
+    else:
+      out.append(eqn)
+  return out
+
+
+def _unary(eqns: list[Any], read: Callable[[Any], Any], outs: tuple[Any, ...]) -> Any:
+  """The one input array of a call with one output; None otherwise."""
+  defined = {v for eqn in eqns for v in eqn.outvars}
+  ins = {
+    v
+    for eqn in eqns
+    for v in eqn.invars
+    if not isinstance(v, jex_core.Literal) and v not in defined
+  }
+  if len(ins) != 1 or len(outs) != 1:
+    return None
+  x = read(ins.pop())
+  return x if np.shape(x) == tuple(outs[0].aval.shape) else None
+
+
+def _erf_cpu(z: Any) -> Any:
+  """torch's CPU ``Vectorized<float>::erf``: Abramowitz and Stegun 7.1.26
+  (absolute error 1.5e-7), in float32."""
+  a = jnp.abs(z)
+  t = 1.0 / (0.3275911 * a + 1.0)
+  r = (((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592
+  e = 1.0 - (jnp.exp(-(z * z)) * t) * r
+  return jnp.where(z < 0, -e, e)
+
+
+def _tanh(u: Any) -> Any:
+  """tanh in float32 as near correctly rounded as torch's (SLEEF's): near +-1,
+  where GELU's ``1 + tanh`` cancels, it is ``1 - 2 / (exp(2|u|) + 1)``, whose
+  rounding is then the only error (XLA's ``tanh`` is a few ulps off there)."""
+  a = jnp.abs(u)
+  t = 1.0 - 2.0 / (jnp.exp(2.0 * a) + 1.0)
+  return jnp.where(u < 0, -t, t)
+
+
+def _gelu_cpu(
+  interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
+) -> list[Any] | None:
+  """torch's CPU GELU kernel: ``0.5 * x * (1 + tanh(b * (x + k * x**3)))`` or
+  ``x * 0.5 * (1 + erf(x / sqrt(2)))`` in float32 with its ``tanh`` and ``erf``."""
+  x = _unary(eqns, read, outs)
+  names = {eqn.primitive.name for eqn in _primitive_eqns(eqns)}
+  if x is None:
+    return None
+  x = interp.cast(x, F32)
+  if "tanh" in names:
+    beta, kappa = np.float32(math.sqrt(2.0 / math.pi)), np.float32(0.044715)
+    return [0.5 * x * (1.0 + _tanh(beta * (x + kappa * (x * x * x))))]
+  if names & {"erf", "erfc"}:
+    return [x * 0.5 * (1.0 + _erf_cpu(x * np.float32(math.sqrt(0.5))))]
+  return None
+
+
+def _log_softmax_cpu(
+  interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
+) -> list[Any] | None:
+  """torch's CPU log-softmax kernel over the last axis of a half input: the sum
+  of ``exp(x - max)`` in float32, rounded to the half dtype, its log rounded
+  again, ``x - max - log`` in float32 rounded once. Over another axis every
+  step is float32 (the ops as written)."""
+  x = _unary(eqns, read, outs)
+  maxes = [e for e in _primitive_eqns(eqns) if e.primitive.name == "reduce_max"]
+  if x is None or len(maxes) != 1 or tuple(maxes[0].params["axes"]) != (np.ndim(x) - 1,):
+    return None
+  x = interp.cast(x, F32)
+  shifted = x - lax.stop_gradient(jnp.max(x, -1, keepdims=True))
+  total = jnp.sum(jnp.exp(shifted), -1, keepdims=True).astype(half).astype(F32)
+  return [shifted - jnp.log(total).astype(half).astype(F32)]
+
+
+_CPU_KERNELS: dict[str, Callable[..., list[Any] | None]] = {
+  "gelu": _gelu_cpu,
+  "log_softmax": _log_softmax_cpu,
+}
 
 
 def _with_bias(primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias: Any) -> Any:

@@ -66,3 +66,28 @@ ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod
 # Primitives whose result depends on the bits of their input dtype: always
 # evaluated as the original jaxpr had them.
 EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+
+# torch's fused ops: one kernel that computes in float32 and rounds its result
+# once, where JAX decomposes the op into primitives that each round. A call of
+# one of these functions is recognised in a jaxpr by the frame it leaves in its
+# equations' tracebacks ((file, qualified name); docs/autocast.md, "Fused ops").
+FUSED_FUNCTIONS = {
+  ("jax/_src/nn/functions.py", "softmax"): "softmax",
+  ("jax/_src/nn/functions.py", "log_softmax"): "log_softmax",
+  ("jax/_src/nn/functions.py", "gelu"): "gelu",
+  ("jax/_src/nn/functions.py", "standardize"): "layer_norm",
+  ("flax/nnx/nn/normalization.py", "LayerNorm.__call__"): "layer_norm",
+  ("flax/linen/normalization.py", "LayerNorm.__call__"): "layer_norm",
+  ("equinox/nn/_normalisation.py", "LayerNorm.__call__"): "layer_norm",
+  ("optax/losses/_classification.py", "softmax_cross_entropy"): "cross_entropy",
+  ("optax/losses/_classification.py", "softmax_cross_entropy_with_integer_labels"): (
+    "cross_entropy"
+  ),
+}
+
+# The fused ops whose result is float32 under each policy (torch's float32
+# lists); the others return their input's half dtype.
+FUSED_F32 = {
+  "cuda": frozenset({"softmax", "log_softmax", "layer_norm", "cross_entropy"}),
+  "cpu": frozenset({"cross_entropy"}),
+}

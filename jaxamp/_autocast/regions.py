@@ -96,7 +96,7 @@ def autocast(
     )
   if not enabled:
     return _region(fn, OFF_SCOPE, fn)
-  mode = Mode(half, POLICIES[policy])
+  mode = Mode(half, POLICIES[policy], policy=policy)
 
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(fn, nnx.Module):
