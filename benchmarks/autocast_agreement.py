@@ -47,7 +47,7 @@ def _ln_params(rng):
 
 def _nnx_ln(scale, bias):
   m = nnx.LayerNorm(D, epsilon=1e-5, rngs=nnx.Rngs(0))
-  m.scale.value, m.bias.value = jnp.asarray(scale), jnp.asarray(bias)
+  m.scale[...], m.bias[...] = jnp.asarray(scale), jnp.asarray(bias)
   return m
 
 
