@@ -109,9 +109,9 @@ def _t_conv(x, k, kb, n):
 
 
 def _j_layer_norm(x):
-  mean = x.mean(-1, keepdims=True)
-  var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) * lax.rsqrt(var + 1e-5)
+  # torch's F.layer_norm without weights; jaxamp recognises jax.nn.standardize as
+  # that fused op (docs/autocast.md, "Fused ops")
+  return jax.nn.standardize(x, -1, epsilon=1e-5)
 
 
 def _j_binary(op, a, b):
@@ -236,10 +236,8 @@ CUDA_LIST = {
   "sum": "fp32",
   # Not on torch's CUDA float32 list, but float32 in jaxamp's CUDA policy, as
   # documented (docs/autocast.md, "torch op -> JAX primitive(s)": every mean is a
-  # reduce_sum, float32 on cuda; gelu(approximate=True)'s cube is a power, float32
-  # on cuda).
+  # reduce_sum, float32 on cuda).
   "mean": "fp32",
-  "gelu_tanh": "fp32",
   # The written-out affine layer norm: its normalisation is layer_norm's primitives
   # (float32 on cuda), then a float32 scale and shift.
   "layer_norm_affine": "fp32",

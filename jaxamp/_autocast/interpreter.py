@@ -287,7 +287,7 @@ class Interpreter:
         for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
           env[v] = x
       outs = [env[v] for v in span.outs]
-    to_half = span.op not in FUSED_F32[mode.policy]
+    to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
     for v, x in zip(span.outs, outs):
       env[v] = self.cast(x, half) if to_half and np.dtype(v.aval.dtype) == F32 else x
 

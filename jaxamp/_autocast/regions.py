@@ -43,6 +43,10 @@ def autocast(
   FFT) run in float32, and every other primitive runs in the dtypes its inputs
   arrive in, mixed inputs promoted as torch promotes (0-dim inputs, Python
   scalars, bool and integer masks do not promote dimensioned float ones).
+  A call of a function torch computes as one fused kernel (``jax.nn.softmax``,
+  ``log_softmax``, ``gelu``, ``standardize``, Flax's and Equinox's
+  ``LayerNorm``, optax's softmax cross-entropies) runs in float32 and rounds
+  its result once, as torch's kernel does.
   Parameters stay float32; gradients are those of the cast computation.
 
   Regions nest as torch's contexts do, the innermost deciding: an ``autocast``
