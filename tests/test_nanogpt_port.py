@@ -17,6 +17,7 @@ import importlib
 import inspect
 import math
 import pathlib
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -271,3 +272,41 @@ def test_nanogpt_port_matches_upstream_train_py_under_float16_autocast(monkeypat
     f"scales {t_scales.tolist()}\nskipped {np.flatnonzero(t_skipped).tolist()}\n"
     f"loss drift max {drift.max():.3g} final {drift[-1]:.3g}, params {param_drift:.3g}"
   )
+
+
+@pytest.mark.slow
+def test_nanogpt_port_main_trains_saves_and_resumes(monkeypatch, tmp_path, capsys):
+  monkeypatch.syspath_prepend(str(ROOT))
+  train = importlib.import_module("examples.nanogpt.train")
+  tiny = [
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=16",
+    "--block_size=8",
+    "--batch_size=2",
+    "--gradient_accumulation_steps=2",
+    "--eval_interval=2",
+    "--eval_iters=1",
+    "--warmup_iters=1",
+    "--lr_decay_iters=6",
+    f"--out_dir={tmp_path}",
+    "--init_scale=1e9",
+    "--growth_interval=2",
+  ]
+  first = train.main([*tiny, "--max_iters=2"])
+  assert len(first["loss"]) == 3 and np.all(np.isfinite(first["loss"]))
+  assert "saving checkpoint" in capsys.readouterr().out
+  # written at iteration 2's evaluation: the scaler after iteration 1, which
+  # the resumed run starts from (upstream's checkpoint has no scaler)
+  with open(tmp_path / "ckpt.pkl", "rb") as f:
+    checkpoint = pickle.load(f)
+  resumed = train.main([*tiny, "--max_iters=4", "--init_from='resume'"])
+  assert len(resumed["loss"]) == 3  # iterations 2, 3 and 4
+  assert checkpoint["iter_num"] == 2
+  saved = checkpoint["scaler"]
+  assert saved["scale"] == first["scale"][1] and saved["growth_interval"] == 2
+  if resumed["skipped"][0]:
+    expected = saved["scale"] / 2
+  else:
+    expected = saved["scale"] * (2 if saved["_growth_tracker"] + 1 == 2 else 1)
+  assert resumed["scale"][0] == expected
