@@ -12,6 +12,7 @@ same value at the same place, and converts back (transposes only, exact).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -67,6 +68,40 @@ def _loss_fn(scenario, pair: Pair, scale_of, scale_loss):
     return loss + jnp.sqrt(grad_norm)
 
   return with_penalty
+
+
+# What a staged scenario may set: the rest is the single-loss loop's.
+_STAGED_FIELDS = {
+  "name",
+  "doc",
+  "model",
+  "optimizers",
+  "steps",
+  "scaler",
+  "inject",
+  "jaxamp_options",
+}
+_REPORT_FIELDS = {"param_rtol", "state_rtol", "spec", "apis", "plot"}
+
+
+def _check_staged(scenario, pair: Pair) -> None:
+  """A staged pair (optimizers that step one after the other) runs the plain
+  loop only: one optimizer per stage, injections after each stage's backward."""
+  extras = []
+  for f in dataclasses.fields(scenario):
+    if f.name in _STAGED_FIELDS | _REPORT_FIELDS:
+      continue
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    if getattr(scenario, f.name) != default:
+      extras.append(f.name)
+  if extras or len(scenario.optimizers) != len(pair.stages):
+    raise ValueError(
+      f"{scenario.name}: a staged pair takes one optimizer per stage and none of {extras}"
+    )
+
+
+def _stage_names(scenario, pair: Pair, stage: int) -> set[str]:
+  return set(owned(scenario.optimizers[stage], pair))
 
 
 def _leaf(tree: Any, path) -> Any:
@@ -203,11 +238,61 @@ class OptaxDriver:
     self._scaled_grads = jax.jit(scaled_grads)
     self._apply = jax.jit(apply)
     self._unscale = jax.jit(jaxamp.ops.unscale_and_check)
+    if pair.stages:
+      _check_staged(scenario, pair)
+      self._names = pair.tree_of({n: n for n in pair.names})
+
+      def stage_grads(params, opt_state, batch, stage):
+        def scaled_loss(p):
+          loss = pair.stages[stage][1](p, batch)
+          return jaxamp.scale_loss(loss, opt_state), loss
+
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, loss
+
+      def apply_stage(grads, opt_state, params, update_scale):
+        # update_scale=False but for the last stage: torch's step() without update().
+        updates, opt_state = self.tx.update(grads, opt_state, params, update_scale=update_scale)
+        new = jax.tree.map(lambda p, u: p if u is None else p + u, params, updates)
+        return new, opt_state
+
+      self._stage_grads = jax.jit(stage_grads, static_argnums=3)
+      self._apply_stage = jax.jit(apply_stage, static_argnums=3)
 
   def _scale_state(self) -> jaxamp.DynamicLossScaleState:
     return jaxamp.ops.find_loss_scale_state(self.opt_state)
 
+  def _staged_step(self, step: int) -> dict[str, Any]:
+    """Each stage: the gradients of its scaled loss at the current params,
+    ``None`` for the other optimizers' leaves, ``tx.update(...,
+    update_scale=False)``; the last stage's update advances the scale."""
+    sc, batch = self.scenario, self.pair.batch(step)
+    scale_used = np.asarray(jaxamp.get_loss_scale(self.opt_state))
+    losses, found = [], []
+    for stage in range(len(self.pair.stages)):
+      grads, loss = self._stage_grads(self.params, self.opt_state, batch, stage)
+      losses.append(float(loss))
+      names = _stage_names(sc, self.pair, stage)
+      grads = _inject(self.pair, grads, [i for i in sc.inject.get(step, ()) if i[0] in names])
+      grads = jax.tree.map(lambda g, n, names=names: g if n in names else None, grads, self._names)
+      last = stage == len(self.pair.stages) - 1
+      self.params, self.opt_state = self._apply_stage(grads, self.opt_state, self.params, last)
+      state = jax.device_get(self._scale_state())
+      # This iteration's flags of the stage's own leaves (a finite iteration keeps older ones).
+      own = [bool(f) for f, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == stage]
+      found.append(bool(state.found_inf) and any(own))
+    return {
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": found,
+      "scale": np.asarray(state.loss_scale),
+      "tracker": int(state.growth_tracker),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+    }
+
   def step(self, step: int) -> dict[str, Any]:
+    if self.pair.stages:
+      return self._staged_step(step)
     sc = self.scenario
     scale_used = np.asarray(jaxamp.get_loss_scale(self.opt_state))
     tracker_before = self._scale_state().growth_tracker
@@ -356,6 +441,28 @@ class GradScalerDriver:
     self._scaled_grads = jax.jit(scaled_grads)
     self._accumulate = jax.jit(accumulate)
     self._iterate = jax.jit(iterate, static_argnums=(3, 4, 5))
+    if pair.stages:
+      _check_staged(scenario, pair)
+
+      def stage_grads(scaler, params, batch, stage):
+        def scaled_loss(p):
+          loss = pair.stages[stage][1](p, batch)
+          return scaler.scale(loss), loss
+
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, loss, scaler
+
+      def step_stage(scaler, optimizers, grads, stage, update):
+        opt = optimizers[stage]
+        opt.grads = self.layouts[stage].take(grads)
+        scaler.step(opt)
+        found = _found_inf(scaler, opt)
+        if update:
+          scaler.update()
+        return scaler, optimizers, found
+
+      self._stage_grads = jax.jit(stage_grads, static_argnums=3)
+      self._step_stage = jax.jit(step_stage, static_argnums=(3, 4))
 
   def _full_params(self) -> Any:
     named = {}
@@ -363,7 +470,37 @@ class GradScalerDriver:
       named.update(opt.params)
     return self.pair.tree_of(named)
 
+  def _staged_step(self, step: int) -> dict[str, Any]:
+    """torch's loop: per stage ``opt.zero_grad()``, the gradients of
+    ``scaler.scale(loss)`` at the current params, ``scaler.step(opt)``; one
+    ``scaler.update()`` after the last."""
+    sc, batch = self.scenario, self.pair.batch(step)
+    self._scaler_used = self.scaler
+    scale_used = np.float32(self.scaler.get_scale())
+    losses, found = [], []
+    for stage, opt in enumerate(self.optimizers):
+      opt.zero_grad()
+      grads, loss, self.scaler = self._stage_grads(self.scaler, self._full_params(), batch, stage)
+      losses.append(float(loss))
+      names = _stage_names(sc, self.pair, stage)
+      grads = _inject(self.pair, grads, [i for i in sc.inject.get(step, ()) if i[0] in names])
+      last = stage == len(self.optimizers) - 1
+      self.scaler, self.optimizers, flag = self._step_stage(
+        self.scaler, self.optimizers, grads, stage, last
+      )
+      found.append(bool(flag))
+    return {
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": found,
+      "scale": np.float32(self.scaler.get_scale()),
+      "tracker": self.scaler._get_growth_tracker(),
+      "params": self._params_torch_layout(),
+    }
+
   def step(self, step: int) -> dict[str, Any]:
+    if self.pair.stages:
+      return self._staged_step(step)
     sc = self.scenario
     accumulating = sc.accumulate > 1
     for opt in self.optimizers:

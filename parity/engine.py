@@ -184,6 +184,8 @@ class TorchRun:
     return loss.item()
 
   def step(self, step: int) -> dict[str, Any]:
+    if self.pair.stages:
+      return self._staged_step(step)
     sc, scaler = self.scenario, self.scaler
     for opt in self.optimizers:
       opt.zero_grad(set_to_none=True)
@@ -223,6 +225,40 @@ class TorchRun:
     for scheduler in self.schedulers:  # every iteration, skipped ones included
       if scheduler is not None:
         step_torch_scheduler(scheduler)
+    return {
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "scaled": scaled,
+      "unscaled": unscaled,
+      "found": found,
+      "scale": _f32(scaler.get_scale()),
+      "tracker": scaler._get_growth_tracker(),
+      "params": self.pair.torch_arrays("data"),
+    }
+
+  def _staged_step(self, step: int) -> dict[str, Any]:
+    """Optimizers that step one after the other (a GAN): each stage's loss,
+    ``scaler.scale(loss).backward()``, its injections, ``scaler.step(opt)``;
+    then one ``scaler.update()``. Each optimizer's gradients are recorded as
+    its step saw them: scaled before it, unscaled after it."""
+    sc, scaler, module = self.scenario, self.scaler, self.pair.torch_module
+    batch = self.pair.batch(step)
+    scale_used = _f32(scaler.get_scale())
+    losses, scaled, unscaled = [], {}, {}
+    for (torch_loss, _), spec, opt in zip(self.pair.stages, sc.optimizers, self.optimizers):
+      names = owned(spec, self.pair)
+      opt.zero_grad(set_to_none=True)
+      loss = torch_loss(module, batch)
+      scaler.scale(loss).backward()
+      losses.append(loss.item())
+      self._inject([i for i in sc.inject.get(step, ()) if i[0] in names])
+      grads = self.pair.torch_arrays("grad")
+      scaled.update({n: grads[n] for n in names})
+      scaler.step(opt)
+      grads = self.pair.torch_arrays("grad")
+      unscaled.update({n: grads[n] for n in names})
+    found = [self._found_inf(opt) for opt in self.optimizers]
+    scaler.update()
     return {
       "loss": float(np.mean(losses)),
       "scale_used": scale_used,

@@ -40,6 +40,11 @@ class Pair:
     torch_loss: ``(module, batch, autocast_dtype) -> 0-dim loss``.
     jax_loss: ``(params, batch) -> loss`` (float32).
     batch: ``step -> tuple of numpy arrays``, the same data for both frameworks.
+    stages: for optimizers that step one after the other (a GAN), one
+      ``(torch_loss, jax_loss)`` per optimizer, in order: each loss is
+      backpropagated and its optimizer stepped before the next loss is
+      computed (from the params just updated), one scale update after the
+      last. ``torch_loss``/``jax_loss`` are then the first stage's.
   """
 
   name: str
@@ -49,6 +54,7 @@ class Pair:
   torch_loss: Callable
   jax_loss: Callable
   batch: Callable[[int], tuple]
+  stages: tuple[tuple[Callable, Callable], ...] = ()
 
   @property
   def names(self) -> list[str]:
@@ -598,6 +604,73 @@ def transformer(
   )
 
 
+# ---------------------------------------------------------------------------------------
+# A GAN: a discriminator and a generator, each its own optimizer, stepping one after the other.
+
+
+class _TorchGan(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    # D's output layer has no bias: one scalar that crosses zero while training
+    # makes the suite's per-tensor relative difference meaningless there.
+    linear = torch.nn.Linear
+    self.d = torch.nn.Sequential(linear(3, 16), torch.nn.ReLU(), linear(16, 1, bias=False))
+    self.g = _torch_dense_stack((2, 16, 3))
+
+
+def _jax_mlp(p: dict, x: jax.Array) -> jax.Array:
+  """torch's ``Linear -> ReLU -> Linear`` on weights in torch's layout (the
+  last bias, if any)."""
+  out = jax.nn.relu(x @ p["0.weight"].T + p["0.bias"]) @ p["2.weight"].T
+  return out + p["2.bias"] if "2.bias" in p else out
+
+
+def gan(seed: int = 5) -> Pair:
+  """A least-squares GAN learning a shifted 3-d Gaussian from 2-d noise:
+  ``D: Linear(3,16) -> ReLU -> Linear(16,1,bias=False)`` (parameters ``d.*``) and
+  ``G: Linear(2,16) -> ReLU -> Linear(16,3)`` (``g.*``). Stage 0, D's loss
+  ``(D(real) - 1)**2 / 2 + D(G(z).detach())**2 / 2``; stage 1, G's loss
+  ``(D(G(z)) - 1)**2 / 2`` through the D just stepped (batch means)."""
+  torch.manual_seed(seed)
+  module = _TorchGan()
+  layout = [(name, tuple(name.split(".", 1)), "same") for name, _ in module.named_parameters()]
+
+  def batch_at(step: int):
+    rng = np.random.default_rng([seed, step])
+    real = rng.standard_normal((16, 3)) + np.array([1.0, -2.0, 0.5])
+    return real.astype(np.float32), rng.standard_normal((16, 2)).astype(np.float32)
+
+  def torch_loss_d(m, batch, autocast_dtype=None):
+    real, z = (torch.from_numpy(a) for a in batch)
+    fake = m.g(z).detach()
+    return 0.5 * ((m.d(real) - 1) ** 2).mean() + 0.5 * (m.d(fake) ** 2).mean()
+
+  def torch_loss_g(m, batch, autocast_dtype=None):
+    _, z = (torch.from_numpy(a) for a in batch)
+    return 0.5 * ((m.d(m.g(z)) - 1) ** 2).mean()
+
+  def jax_loss_d(params, batch):
+    real, z = batch
+    fake = jax.lax.stop_gradient(_jax_mlp(params["g"], z))
+    d = params["d"]
+    return 0.5 * jnp.mean((_jax_mlp(d, real) - 1) ** 2) + 0.5 * jnp.mean(_jax_mlp(d, fake) ** 2)
+
+  def jax_loss_g(params, batch):
+    _, z = batch
+    return 0.5 * jnp.mean((_jax_mlp(params["d"], _jax_mlp(params["g"], z)) - 1) ** 2)
+
+  return Pair(
+    "gan",
+    module,
+    _copy_weights(module, layout),
+    layout,
+    torch_loss_d,
+    jax_loss_d,
+    batch_at,
+    stages=((torch_loss_d, jax_loss_d), (torch_loss_g, jax_loss_g)),
+  )
+
+
 MODELS = {
   "linear10": linear10,
   "two_layer": two_layer,
@@ -605,6 +678,7 @@ MODELS = {
   "cnn_digits": cnn_digits,
   "vectors": vectors,
   "transformer": transformer,
+  "gan": gan,
 }
 
 

@@ -750,6 +750,35 @@ SCENARIOS: list[Scenario] = [
     apis=("grad_scaler",),
   ),
   Scenario(
+    "gan",
+    "Optimizers that step one after the other with one scale (issue #31): a "
+    "least-squares GAN, Adam on the discriminator (d.*), then Adam on the generator "
+    "(g.*), whose loss reads the discriminator just stepped; torch's "
+    "scaler.step(opt_d); scaler.step(opt_g); scaler.update() (optax: "
+    "dynamic_loss_scale({label: tx}, param_labels=...), tx.update with None gradients "
+    "for the other model and update_scale=False for the discriminator). inf/NaN in "
+    "D's gradients only at steps 2 and 11, in G's only at 5 and 14, in both at 8: "
+    "each optimizer skips on its own, the scale backs off once per iteration. "
+    "Parameters to 1e-5 (measured 3.9e-6), Adam's moments to 2e-4: the generator's "
+    "gradients pass through both models and their batch means cancel, so a few ulps "
+    "of XLA's and ATen's sums weigh more; the moments differ by up to 4.1e-5 over the "
+    "20 steps (measured), a missed or extra step by O(1).",
+    models.gan,
+    optimizers=(OptSpec("adam", 0.01, prefix="d."), OptSpec("adam", 0.01, prefix="g.")),
+    steps=20,
+    scaler=_factors(1024.0, 2.0, 0.5, 3),
+    inject={
+      2: (("d.0.weight", 4, INF),),
+      5: (("g.2.bias", 1, NAN),),
+      8: (("d.2.weight", 7, -INF), ("g.0.weight", 3, INF)),
+      11: (("d.0.bias", 9, NAN),),
+      14: (("g.0.bias", 0, INF),),
+    },
+    state_rtol=2e-4,
+    spec=(29,),
+    plot=True,
+  ),
+  Scenario(
     "linear_setters_unvalidated",
     "docs/torch_semantics.md §6.53: interval 1, set_growth_factor(0.5) and set_backoff_factor(4.0) before "
     "step 0 (setters are not range-checked), inf at steps 2 and 3: scale 2, 1, 4, 16.",
