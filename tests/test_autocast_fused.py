@@ -228,3 +228,20 @@ def test_fused_op_runs_as_jax_computes_it_where_autocast_is_off():
   once = jax.nn.softmax(h.astype(jnp.float32), -1).astype(jnp.float16)
   np.testing.assert_array_equal(np.asarray(on), np.asarray(once))
   assert np.mean(np.asarray(off) == np.asarray(on)) < 0.9  # the two differ
+
+
+def test_fused_op_of_a_value_the_function_cast_to_half_rounds_once():
+  x, w, *_ = _data()
+
+  def f(w, x):
+    h = (x @ w).astype(jnp.float16)  # traced float32: the cast is the function's own
+    return jax.nn.softmax(h, -1), jax.nn.gelu(h)
+
+  h = jnp.asarray(x, jnp.float16) @ jnp.asarray(w, jnp.float16)
+  softmax, gelu = jaxamp.autocast(f, policy="cpu")(jnp.asarray(w), jnp.asarray(x))
+  once = jax.nn.softmax(h.astype(jnp.float32), -1).astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(softmax), np.asarray(once))
+  assert gelu.dtype == jnp.float16
+  # the CUDA list: softmax float32, gelu (on no list) its input's half dtype
+  softmax, gelu = jaxamp.autocast(f, policy="cuda")(jnp.asarray(w), jnp.asarray(x))
+  assert (softmax.dtype, gelu.dtype) == (jnp.float32, jnp.float16)

@@ -272,30 +272,38 @@ class Interpreter:
   def _fused(
     self, span: _Span, eqns: list[Any], env: dict[Any, Any], read: Callable[[Any], Any], half: Any
   ) -> None:
-    """A call of a fused op as torch's kernel computes it: in float32, from its
-    inputs cast up, its result rounded to ``half`` once, or kept float32 where
-    the policy's float32 list has the op. The equations run as written, but
-    where torch's CPU kernel computes otherwise (``_CPU_KERNELS``)."""
+    """A call of a fused op as torch's kernel computes it: its half inputs cast
+    to float32, its equations run in float32 (autocast off: in the dtypes their
+    inputs arrive in), or torch's CPU arithmetic where it is not the op's as
+    written (``_CPU_KERNELS``); its result rounded to ``half`` once, or kept
+    float32 where the policy's float32 list has the op."""
     mode = _region(eqns[0], self.mode)
-    exact = self.in_mode(_MODES[AS_WRITTEN_SCOPE])
+
+    def read32(v: Any) -> Any:
+      x = read(v)
+      return self.cast(x, F32) if np.dtype(x.dtype) in HALF else x
+
     kernel = _CPU_KERNELS.get(span.op) if mode.policy == "cpu" else None
-    outs = kernel(exact, eqns, read, half, span.outs) if kernel is not None else None
+    outs = kernel(eqns, read32, half, span.outs) if kernel is not None else None
     if outs is None:
+      off = self.in_mode(_MODES[OFF_SCOPE])
       for eqn in eqns:
-        args = [read(v) for v in eqn.invars]
-        out = exact.eval_eqn(eqn, args)
+        args = [read32(v) for v in eqn.invars]
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] in HALF:
+          env[eqn.outvars[0]] = args[0]  # jnp's rounding of a half sum: not in torch's kernel
+          continue
+        out = off.eval_in_mode(eqn, args)
         for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
           env[v] = x
       outs = [env[v] for v in span.outs]
     to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
     for v, x in zip(span.outs, outs):
-      env[v] = self.cast(x, half) if to_half and np.dtype(v.aval.dtype) == F32 else x
+      env[v] = self.cast(x, half) if to_half and np.dtype(x.dtype) == F32 else x
 
   def _fused_dtype(self, eqns: list[Any], read: Callable[[Any], Any]) -> Any:
-    """The half dtype a call of a fused op (``eqns``) gets its inputs in, where
-    the traced program has them float32: what its result rounds to. None where
-    it runs primitive by primitive: no input made half, inputs in two half
-    dtypes, or autocast off."""
+    """The half dtype of a fused op's call's (``eqns``) half inputs: what its
+    result rounds to. None where it runs primitive by primitive: no half
+    input, inputs in both half dtypes, or autocast off."""
     mode = _region(eqns[0], self.mode)
     if mode.dtype is None or mode.as_written or any(_region(e, self.mode) != mode for e in eqns):
       return None
@@ -303,13 +311,10 @@ class Interpreter:
     halves = set()
     for eqn in eqns:
       for v in eqn.invars:
-        if isinstance(v, jex_core.Literal) or v in defined:
-          continue
-        dtype = np.dtype(read(v).dtype)
-        if dtype in HALF:
-          if np.dtype(v.aval.dtype) != F32:
-            return None  # a half value the function made itself: JAX's own arithmetic
-          halves.add(dtype)
+        if not isinstance(v, jex_core.Literal) and v not in defined:
+          dtype = np.dtype(read(v).dtype)
+          if dtype in HALF:
+            halves.add(dtype)
       defined.update(eqn.outvars)
     return halves.pop() if len(halves) == 1 else None
 
@@ -322,6 +327,11 @@ class Interpreter:
     mode = _region(eqn, self.mode)
     if mode != self.mode:
       return self.in_mode(mode).eval_eqn(eqn, args)
+    return self.eval_in_mode(eqn, args)
+
+  def eval_in_mode(self, eqn: Any, args: list[Any]) -> Any:
+    """``eqn`` with this interpreter's mode, whatever region it is in."""
+    mode = self.mode
     name = eqn.primitive.name
     if mode.as_written or name in EXACT_DTYPE:
       return self.original(eqn, args)
@@ -572,7 +582,7 @@ def _tanh(u: Any) -> Any:
 
 
 def _gelu_cpu(
-  interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
+  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
 ) -> list[Any] | None:
   """torch's CPU GELU kernel: ``0.5 * x * (1 + tanh(b * (x + k * x**3)))`` or
   ``x * 0.5 * (1 + erf(x / sqrt(2)))`` in float32 with its ``tanh`` and ``erf``."""
@@ -580,7 +590,7 @@ def _gelu_cpu(
   names = {eqn.primitive.name for eqn in _primitive_eqns(eqns)}
   if x is None:
     return None
-  x = interp.cast(x, F32)
+  x = x.astype(F32)
   if "tanh" in names:
     beta, kappa = np.float32(math.sqrt(2.0 / math.pi)), np.float32(0.044715)
     return [0.5 * x * (1.0 + _tanh(beta * (x + kappa * (x * x * x))))]
@@ -590,7 +600,7 @@ def _gelu_cpu(
 
 
 def _log_softmax_cpu(
-  interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
+  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
 ) -> list[Any] | None:
   """torch's CPU log-softmax kernel over the last axis of a half input: the sum
   of ``exp(x - max)`` in float32, rounded to the half dtype, its log rounded
@@ -600,7 +610,7 @@ def _log_softmax_cpu(
   maxes = [e for e in _primitive_eqns(eqns) if e.primitive.name == "reduce_max"]
   if x is None or len(maxes) != 1 or tuple(maxes[0].params["axes"]) != (np.ndim(x) - 1,):
     return None
-  x = interp.cast(x, F32)
+  x = x.astype(F32)
   shifted = x - lax.stop_gradient(jnp.max(x, -1, keepdims=True))
   total = jnp.sum(jnp.exp(shifted), -1, keepdims=True).astype(half).astype(F32)
   return [shifted - jnp.log(total).astype(half).astype(F32)]
