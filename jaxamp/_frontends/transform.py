@@ -182,6 +182,16 @@ def dynamic_loss_scale(
   ``inner`` (e.g. ``optax.clip_by_global_norm``) see unscaled gradients; put
   none in front of the scaler, where they would see scaled ones.
 
+  With ``param_labels``, a group whose gradients are all ``None`` is not
+  stepped (its optimizer is not called; its state comes back as it was), and
+  ``update(..., update_scale=False)`` is torch's ``scaler.step(opt)`` without
+  ``scaler.update()``: the groups stepped skip on their own inf/NaN and the
+  scale waits for the iteration's last update (``update_scale=True``, the
+  default), which advances it once on the found_inf of every group stepped
+  since. Optimizers that step one after the other, a GAN's discriminator then
+  its generator, share one scale so (docs/optax.md, "Optimizers that step one
+  after the other (a GAN)").
+
   Args:
     inner: the optimizer to run on unscaled gradients; with ``param_labels``,
       ``{label: optimizer}``, one per group of parameters.
@@ -194,7 +204,9 @@ def dynamic_loss_scale(
   Raises:
     ValueError, TypeError: a concrete hyperparameter is invalid (checked here;
       traced ones from ``optax.inject_hyperparams`` cannot be); at ``update``,
-      gradients that are not floating point or not shaped like the params.
+      gradients that are not floating point or not shaped like the params, a
+      group stepped twice before the scale advances, ``update_scale=False``
+      without ``param_labels``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
