@@ -323,6 +323,15 @@ def update(
     ([0.5, 1.5], 2)
   """
   _check_update_arguments(optimizer, model, grads)
+  if kwargs.get("update_scale", True) is not True:
+    raise ValueError(
+      "jaxamp: flax_utils.update cannot hold the scale's advance (update_scale=False): "
+      "an nnx.Optimizer stores the state's arrays back into its variables and drops "
+      "the record of the groups stepped, so the next update would not see them. Keep "
+      "the optax state outside the nnx.Optimizer for optimizers that step one after "
+      'the other (docs/optax.md, "Optimizers that step one after the other (a GAN)"). '
+      "Nothing was changed."
+    )
   graph = optimizer.graph
   param_arrays = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
   grad_arrays = nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph))

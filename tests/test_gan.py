@@ -464,3 +464,20 @@ def test_all_none_gradients_advance_only_a_pending_scale():
   assert float(advanced.loss_scale) == 2.0**9 and int(advanced.skipped_steps) == 1
   _, both = tx.update({**inf, "g": _grads("g", 0.0)}, state, PARAMS)
   assert bits(advanced._replace(inner_state=None)) == bits(both._replace(inner_state=None))
+
+
+def test_flax_utils_update_refuses_to_hold_the_scale():
+  """nnx.Optimizer keeps only the state's arrays: the record of the groups
+  stepped would be dropped (measured: nnx.Optimizer.update leaves
+  stepped_groups empty), so flax_utils.update refuses update_scale=False."""
+  from flax import nnx
+
+  from jaxamp import flax_utils
+
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, jaxamp.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  before = bits(jax.tree.leaves(nnx.state(model)))
+  with pytest.raises(ValueError, match="cannot hold the scale's advance"):
+    flax_utils.update(optimizer, model, grads, update_scale=False)
+  assert bits(jax.tree.leaves(nnx.state(model))) == before
