@@ -65,8 +65,8 @@ def linear16(h, w, b):
 
 def block_by_hand(p, x, y, heads):
   """The same with torch's CPU autocast casts written out: matmuls and their
-  biases in float16 (the bias added before the one rounding), the residual
-  stream, LayerNorms and loss in float32."""
+  biases in float16 (the bias added before the one rounding), softmax and GELU
+  in float32 rounded once, the residual stream, LayerNorms and loss in float32."""
   batch, seq, dim = x.shape
   hp = {k: p[k].astype(H) for k in HALF_PARAMS}
 
@@ -77,13 +77,15 @@ def block_by_hand(p, x, y, heads):
   q, k, v = map(split, jnp.split(linear16(h, hp["wqkv"], hp["bqkv"]), 3, -1))
   # torch's CPU div of a half tensor by a scalar: in float32, rounded once
   scores = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / math.sqrt(dim // heads)
-  a = jax.nn.softmax(scores.astype(H), -1)
+  # torch's fused softmax: in float32, rounded once
+  a = jax.nn.softmax(scores.astype(H).astype(jnp.float32), -1).astype(H)
   o = (a @ v).transpose(0, 2, 1, 3).reshape(batch, seq, dim)
   x = x + linear16(o, hp["wo"], hp["bo"]).astype(jnp.float32)
   h = layer_norm(x, p["ln2_w"], p["ln2_b"]).astype(H)
-  mlp = linear16(
-    jax.nn.gelu(linear16(h, hp["w1"], hp["b1"]), approximate=False), hp["w2"], hp["b2"]
-  )
+  # torch's fused GELU: in float32, rounded once (autocast uses torch's CPU erf,
+  # this XLA's: the losses differ in the last bits)
+  g = jax.nn.gelu(linear16(h, hp["w1"], hp["b1"]).astype(jnp.float32), approximate=False)
+  mlp = linear16(g.astype(H), hp["w2"], hp["b2"])
   x = x + mlp.astype(jnp.float32)
   return jnp.mean((x - y) ** 2)
 
