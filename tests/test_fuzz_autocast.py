@@ -110,7 +110,7 @@ def _t_conv(x, k, kb, n):
 
 def _j_layer_norm(x):
   # torch's F.layer_norm without weights; jaxamp recognises jax.nn.standardize as
-  # that fused op (docs/autocast.md, "Fused ops")
+  # that fused op (docs/autocast.md, "Fused ops: computed in float32, rounded once")
   return jax.nn.standardize(x, -1, epsilon=1e-5)
 
 
@@ -563,7 +563,7 @@ def _check_values(ours, theirs, ops, infos, dtypes):
 TOL_ULPS = 8
 
 # Ops torch computes in one float32 kernel and jaxamp recognises as that op
-# (docs/autocast.md, "Fused ops").
+# (docs/autocast.md, "Fused ops: computed in float32, rounded once").
 FUSED = ("softmax", "log_softmax", "layer_norm", "gelu_tanh", "gelu_erf")
 
 

@@ -70,7 +70,8 @@ EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"
 # torch's fused ops: one kernel that computes in float32 and rounds its result
 # once, where JAX decomposes the op into primitives that each round. A call of
 # one of these functions is recognised in a jaxpr by the frame it leaves in its
-# equations' tracebacks ((file, qualified name); docs/autocast.md, "Fused ops").
+# equations' tracebacks, (file, qualified name) (docs/autocast.md, "Fused ops:
+# computed in float32, rounded once").
 FUSED_FUNCTIONS = {
   ("jax/_src/nn/functions.py", "softmax"): "softmax",
   ("jax/_src/nn/functions.py", "log_softmax"): "log_softmax",
