@@ -240,8 +240,8 @@ class Interpreter:
         return self._mark(np.asarray(v.val, getattr(v.aval, "dtype", None)), "scalar")
       return env[v]
 
-    def run(eqn: Any, interp: Interpreter, env: dict[Any, Any]) -> None:
-      outs = interp.eval_eqn(eqn, [read(v) for v in eqn.invars])
+    def run(eqn: Any) -> None:
+      outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
       if not eqn.primitive.multiple_results:
         outs = [outs]
       for v, x in zip(eqn.outvars, outs):
@@ -256,14 +256,14 @@ class Interpreter:
     while i < len(jaxpr.eqns):
       span = spans.get(i)
       if span is None:
-        run(jaxpr.eqns[i], self, env)
+        run(jaxpr.eqns[i])
         i += 1
         continue
       eqns = jaxpr.eqns[i : span.end]
       half = self._fused_dtype(eqns, read)
       if half is None:
         for eqn in eqns:
-          run(eqn, self, env)
+          run(eqn)
       else:
         self._fused(span, eqns, env, read, half)
       i = span.end
