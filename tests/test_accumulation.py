@@ -33,6 +33,7 @@ def _step(front_end, tx, jit):
   return jax.jit(step) if jit else step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("front_end", ["optax", "apply_scaled_updates"])
 def test_accumulate_gradients_state_saved_mid_window_resumes_in_a_shorter_window(front_end, jit):

@@ -86,6 +86,7 @@ def test_grad_scaler_resumes_from_torch_state_dict_matches_torch(tmp_path):
   assert np.asarray(opt.params).tobytes() == t_param.detach().numpy().tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_torch_resumes_from_grad_scaler_state_dict_matches_torch(tmp_path):
   scaler = jaxamp.GradScaler(init_scale=3.0, **HYPER)

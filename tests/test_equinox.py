@@ -201,6 +201,7 @@ def _finish(scaler, opt, stage):
   return float(scaler.get_scale()), _array_bits(opt.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["partition", "filter_jit", "jit"])
 @pytest.mark.parametrize("enabled", [True, False])
 @pytest.mark.parametrize("stage", ["ready", "scaled", "unscaled", "stepped"])
@@ -271,6 +272,7 @@ def test_grad_scaler_iteration_inside_filter_jit_on_a_whole_module():
   assert _array_bits(opt.params) == _array_bits(reference)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_step_with_a_none_gradient_matches_torch():
   """torch: a parameter whose .grad is None is left out of the inf check and
@@ -322,6 +324,7 @@ def test_grad_scaler_scale_inside_autocast_is_refused_before_any_change():
   assert opt.params["w"].tolist() == [0.800000011920929] * 3
 
 
+@pytest.mark.slow
 def test_docs_equinox_python_blocks_run(capsys):
   """docs/equinox.md's python blocks run in order, in one namespace, and print
   what the page says they print."""

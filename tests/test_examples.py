@@ -34,6 +34,7 @@ def test_examples_digits_trains_and_writes_png(name, flags, import_example, tmp_
   assert "test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_examples_eqx_digits_trains_in_float16_with_a_frozen_layer(import_example, tmp_path):
   pytest.importorskip("equinox")
   png = tmp_path / "curves.png"

@@ -79,6 +79,7 @@ def test_scaled_value_and_grad_returns_unscaled_loss_and_scaled_grads_nnx():
     np.testing.assert_array_equal(got, 8.0 * plain)
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_returns_unscaled_loss_and_scaled_grads_linen():
   state = _linen_state()
   loss_fn = _linen_loss_fn(state)

@@ -143,6 +143,7 @@ def test_grad_scaler_basic_loop_matches_torch():
   assert t_scaler.get_scale() == 1024.0  # growths at 1, 4, 8 and backoffs at 2, 5, 6
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_unscale_then_clip_loop_matches_torch():
   model = _torch_model()

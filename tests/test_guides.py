@@ -6,7 +6,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-GUIDES = [ROOT / "docs" / "porting.md", ROOT / "docs" / "migrating_from_dynamic_scale.md"]
+# The shorter guide first: the inner loop (-m "not slow") runs a parametrized test's
+# first case only (tests/conftest.py); porting.md trains more and runs in the full suite.
+GUIDES = [ROOT / "docs" / "migrating_from_dynamic_scale.md", ROOT / "docs" / "porting.md"]
 
 
 def python_blocks(path):

@@ -113,6 +113,7 @@ def test_parity_registry_covers_the_training_loop_pieces():
   assert long and all(s.scaler["growth_interval"] <= 10 and len(s.inject) >= 20 for s in long)
 
 
+@pytest.mark.slow
 def test_parity_long_run_has_several_growth_and_backoff_cycles():
   result = _run("two_layer_long_growth_backoff", "optax")
   log2 = np.log2(result.curves["torch_scale"])

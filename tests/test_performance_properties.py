@@ -49,6 +49,7 @@ def _scaler_fields(state):
 BAD = [None, None, np.inf, np.nan, None, -np.inf, None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize(
   "inner",
@@ -66,6 +67,7 @@ def test_apply_scaled_updates_matches_update_then_apply_op_by_op(inner, dtype):
       assert bits(ours) == bits(ref), i
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 def test_apply_scaled_updates_matches_update_then_apply_under_jit(dtype):
   # The loss-scale state and every skip are bit-identical. Params and Adam's
@@ -143,6 +145,7 @@ def _counting(inner, calls):
   return optax.GradientTransformation(inner.init, update)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["helper", "optax", "grad_scaler"])
 def test_each_step_traces_the_optimizer_once(form):
   # The skipped branch reuses the types the applied branch recorded instead of
@@ -224,6 +227,7 @@ def test_copy_count_finds_no_copies_in_plain_adam_step_but_finds_crossed_ones():
   assert len(_copies_of_param_sized_buffers(crossed.as_text())) >= len(SHAPES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_apply_scaled_updates_allocates_no_parameter_sized_temporary(dtype):
   # XLA CPU allocates a step's temporaries afresh on every call, and a fresh
@@ -254,6 +258,7 @@ def _mlp_loss(x):
   return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule_counts", ["applied", "iterations"])
 def test_optax_form_in_a_whole_step_writes_its_updates_over_the_gradients(schedule_counts):
   # In a step that computes its gradients, the optax form's updates take the
@@ -372,6 +377,7 @@ def test_row_major_changes_no_value_and_keeps_the_tree():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 @needs_workaround("platform")
 @pytest.mark.parametrize("front_end", ["apply_scaled_updates", "tx.update"])
 def test_float16_gradients_are_unscaled_without_an_integer_guard_on_cpu(front_end):
@@ -403,6 +409,7 @@ def _scalars_carried_by_the_loop(leaves: int) -> int:
   return len(re.findall(r"(?:pred|s32|f32)\[\]", carried))
 
 
+@pytest.mark.slow
 @needs_workaround("in_place")
 def test_the_optax_form_loop_carries_no_scalar_per_leaf():
   # Each leaf's unscale once compared 1 / scale with 1 itself, and XLA carried

@@ -575,6 +575,7 @@ def test_grad_scaler_autocast_matches_torch(optimizer, enabled, jit):
   _check_grad_scaler(_autocast_case(optimizer), enabled, jit, False, **_AUTOCAST_TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("optimizer", list(_AUTOCAST_OPTIMIZERS))
 @pytest.mark.parametrize(("fast", "jit"), _OPTAX_FORMS)

@@ -1,6 +1,7 @@
 """The compiler workarounds (jaxamp/_xla) change no value: a training run gives
 the same bits with every one of them turned off (JAXAMP_XLA_OFF=all)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,7 +38,10 @@ print(digest.hexdigest())
 """
 
 
+@functools.cache
 def _run(off: str) -> str:
+  """The run's digest with the workarounds ``off`` turned off; each run once per
+  worker process (the baseline ``""`` is every test's reference)."""
   env = {**os.environ, "JAXAMP_XLA_OFF": off}
   out = subprocess.run(
     [sys.executable, "-c", RUN], env=env, capture_output=True, text=True, check=True
