@@ -71,8 +71,11 @@ if [ "${#paths[@]}" -eq 0 ]; then
   set -- tests "$installed" "$@"
 fi
 workers="$("$venv/bin/python" -c 'import os; print(min(8, len(os.sched_getaffinity(0))))')"
+# --dist worksteal: each worker takes a contiguous share of the tests (a module's
+# shared fixtures and caches stay on one worker) and, once done, steals from the
+# other's queue, so that no worker idles while a long test file finishes.
 # -c: pytest would look for its configuration above the arguments' common
 # directory, which is not the copy once the installed jaxamp/ is one of them.
 # Not exec: the trap removes $work when pytest is done.
 JAXAMP_EXPECT_INSTALLED="$installed" "$venv/bin/python" -m pytest -p no:cacheprovider \
-  -c "$work/repo/pyproject.toml" --rootdir "$work/repo" -n "$workers" "$@"
+  -c "$work/repo/pyproject.toml" --rootdir "$work/repo" -n "$workers" --dist worksteal "$@"

@@ -1,11 +1,35 @@
 import json
+import os
 import pathlib
+import tempfile
 
+import jax
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURES = HERE / "data" / "torch_fixtures.json"  # copy of shared/torch_reference/fixtures.json
 SHARED_FIXTURES = HERE.parents[1] / "shared" / "torch_reference" / "fixtures.json"
+
+
+def _persistent_compilation_cache() -> None:
+  """JAX's persistent compilation cache for the test processes, so that a rerun
+  loads the programs an earlier run compiled (about half the CPU time of a warm
+  rerun; a cold run gains nothing). ``JAXAMP_TEST_COMPILATION_CACHE`` names its
+  directory, or ``off``. Set through ``jax.config``, not the environment: the
+  subprocesses the tests start (the crash-resume worker is killed mid-run) compile
+  without it. The size limit turns on the cache's file lock, which the xdist
+  workers need to share it."""
+  path = os.environ.get("JAXAMP_TEST_COMPILATION_CACHE") or os.path.join(
+    tempfile.gettempdir(), f"jaxamp-test-compilation-cache-{os.getuid()}"
+  )
+  if path == "off":
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_compilation_cache_max_size", 2**30)
+
+
+_persistent_compilation_cache()
 
 
 @pytest.fixture(scope="session")
@@ -16,13 +40,14 @@ def torch_fixtures():
 
 @pytest.fixture
 def backend_compiles():
-  """A list that collects one entry per XLA compilation while the test runs."""
+  """A list that collects one entry per XLA compilation while the test runs, a
+  program loaded from the persistent compilation cache counting as one."""
   from jax import monitoring
 
   compiles = []
 
   def listener(event, duration, **kwargs):
-    if "backend_compile" in event:
+    if "backend_compile" in event or event == "/jax/compilation_cache/cache_retrieval_time_sec":
       compiles.append(event)
 
   monitoring.register_event_duration_secs_listener(listener)
