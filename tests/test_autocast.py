@@ -223,6 +223,7 @@ def test_op_dtypes_match_torch_cpu_autocast(model, half):
   assert "float32" != jax_dtypes["fc1" if model == "mlp" else "conv" if model == "cnn" else "qkv"]
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -600,6 +601,7 @@ def test_unknown_primitives_run_in_their_input_dtypes():
   )
 
 
+@pytest.mark.slow
 def test_cuda_policy_keeps_torch_cuda_float32_ops_in_float32():
   # torch's documented CUDA lists: linear in float16; layer_norm, softmax,
   # mse_loss in float32; gelu (on no list) in its input's float16

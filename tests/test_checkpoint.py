@@ -105,6 +105,7 @@ def test_torch_resumes_from_grad_scaler_state_dict_matches_torch(tmp_path):
   assert np.asarray(opt.params).tobytes() == t_param.detach().numpy().tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_optax_state_resumes_from_torch_state_dict_matches_torch(tmp_path):
   t_scaler = torch.amp.GradScaler("cpu", init_scale=3.0, **HYPER)

@@ -221,6 +221,7 @@ def test_grad_scaler_and_optimizer_round_trip_equinox_transforms(stage, enabled,
   assert _finish(s, o, stage) == expected
 
 
+@pytest.mark.slow
 def test_grad_scaler_round_trip_keeps_the_stage_it_refuses_in():
   scaler = jaxamp.GradScaler()
   opt = jaxamp.Optimizer(optax.sgd(0.1), eqx.filter(_mlp(), eqx.is_array))

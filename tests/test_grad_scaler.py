@@ -184,6 +184,7 @@ def test_grad_scaler_unscale_then_clip_loop_matches_torch():
       np.testing.assert_allclose(np.asarray(p), t.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_two_optimizers_loop_matches_torch():
   model = _torch_model()

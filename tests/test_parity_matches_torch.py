@@ -122,6 +122,7 @@ def test_parity_long_run_has_several_growth_and_backoff_cycles():
   assert result.curves["jax_scale"] == result.curves["torch_scale"]
 
 
+@pytest.mark.slow
 def test_parity_scale_above_2_126_unscales_with_a_subnormal_reciprocal():
   result = _run("vector_scale_above_2_126", "grad_scaler")
   scales = np.float32(result.curves["torch_scale"])

@@ -662,6 +662,7 @@ _CLIPPING = _Case(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize(("enabled", "jit"), _FORMS)
 def test_grad_scaler_clipping_matches_torch(enabled, jit):
@@ -1291,6 +1292,7 @@ def _perfect_storm_grads(g, inject_inf):
   return grads
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_grad_scaler_unscale_perfect_storm_matches_torch(jit):
