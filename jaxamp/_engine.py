@@ -236,10 +236,17 @@ def iteration(
   skip limit after this, before it stores anything.
   """
 
-  def unscaled_update(grads, inner_state, params):
-    return update(unscaled(grads, check, core.loss_scale), inner_state, params)
+  if branch is None:
+    # Unscaled before the branch, the optimizer compiles as a computation of
+    # its own, as ``jax.jit(tx.update)`` does: the same arithmetic, bit for bit.
+    grads = unscaled(grads, check, core.loss_scale)
+    apply, output_types = with_output_types(update)
+  else:  # inside the caller's fused branch: unscaled there, fused with the update
 
-  apply, output_types = with_output_types(unscaled_update)
+    def unscaled_update(grads, inner_state, params):
+      return update(unscaled(grads, check, core.loss_scale), inner_state, params)
+
+    apply, output_types = with_output_types(unscaled_update)
 
   def skip(grads, inner_state, params):
     if labels is not None:  # only the groups whose own gradients hold inf/NaN
