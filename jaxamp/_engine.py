@@ -6,10 +6,10 @@ decides between applying and skipping. It is torch's ``GradScaler`` iteration
 
   nonfinite = [not all(isfinite(g)) for g in grads]   # the still-scaled grads
   found_inf = any(nonfinite)                          # all-reduced over axis_name
+  unscaled = grads * inv_scale                        # torch's exact unscale
   if found_inf:                                       # skipped: update never runs
     updates, inner_state = zeros, inner_state         # schedules advanced, if counted
   else:
-    unscaled = grads * inv_scale                      # torch's exact unscale
     updates, inner_state = update(unscaled, inner_state, params)
   core = advance(core, found_inf)                     # torch's _amp_update_scale_
 

@@ -120,7 +120,7 @@ class AliasTest(parameterized.TestCase):
 class ScaleOneIsIdentityTest(parameterized.TestCase):
   """The wrapper unscales before its branch, so the optimizer compiles as a
   computation of its own, as ``jax.jit(tx.update)`` compiles it
-  (docs/optax.md, "At scale 1")."""
+  (docs/optax.md)."""
 
   @parameterized.product(
     _OPTIMIZERS_UNDER_TEST,
