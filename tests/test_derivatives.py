@@ -98,10 +98,8 @@ def _assert_trees_close(got, want, what):
     )
 
 
-# Reverse mode through the optax form's update (tx.update, also inside
-# accumulate_gradients) is issue #30's open defect: JAX refuses to transpose the
-# in-place loop of zero or one trip (lax.while_loop) its skip runs in. Its test,
-# tests/test_derivatives_reverse.py, waits for the engine's fix.
+# Reverse mode through the optax form (bare and accumulated) is in
+# tests/test_derivatives_reverse.py.
 REVERSE_FRONT_ENDS = ("apply_scaled_updates", "grad_scaler")
 
 

@@ -1,11 +1,13 @@
-"""Reverse mode (``jax.grad``) through the optax form's update equals plain
-optax's (issue #30, item 4): differentiated, the step takes ``lax.cond``, not
-the in-place loop of zero or one trip, which JAX cannot transpose.
+"""Reverse mode (``jax.grad``) through the optax form's update, bare and inside
+``accumulate_gradients``, equals plain optax's (issue #30, item 4): differentiated,
+the step takes ``lax.cond``, not the in-place loop of zero or one trip, which
+JAX cannot transpose, and a window's end is selected, not branched to (a
+``lax.cond``'s branches are traced before they are differentiated).
 
-Not yet through ``accumulate_gradients`` around it: there the update is traced
-inside the window's ``lax.cond`` before it is differentiated, so the loop is
-chosen, and ``jax.grad`` raises JAX's "Reverse-mode differentiation does not
-work for lax.while_loop" (an error, not a wrong value; open on issue #30).
+``jax.grad(jax.jit(step))`` is not covered: the jitted step is traced before it
+is differentiated, so it takes the loop, and JAX raises "Reverse-mode
+differentiation does not work for lax.while_loop" (docs/optax.md); differentiate
+inside ``jit`` (``jax.jit(jax.grad(...))``), or turn the loop off.
 """
 
 import pytest
@@ -18,7 +20,7 @@ from test_derivatives import (
   check_skipped_step_derivatives,
 )
 
-FRONT_ENDS = ("optax",)
+FRONT_ENDS = ("optax", "accumulate_gradients")
 
 
 @pytest.mark.slow

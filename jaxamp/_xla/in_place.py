@@ -92,3 +92,15 @@ def apply_unless(
     advanced = on_skip(state)
     state = jax.tree.map(lambda a, s: s if a is s else jnp.where(found_inf, a, s), advanced, state)
   return updates, state
+
+
+def cond_around_loops(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, cond):
+  """``cond(pred, true_fn, false_fn, *operands)`` for branches that may hold an
+  :func:`apply_unless` loop; differentiated, both branches run and the result
+  is selected: JAX traces a ``lax.cond``'s branches before it differentiates
+  them, so the loop inside could not see the tangents, and reverse mode cannot
+  transpose it."""
+  if not enabled("in_place") or not any(map(_differentiated, jax.tree.leaves(operands))):
+    return cond(pred, true_fn, false_fn, *operands)
+  taken, other = true_fn(*operands), false_fn(*operands)
+  return jax.tree.map(lambda t, o: jnp.where(pred, t, o), taken, other)
