@@ -151,12 +151,12 @@ def apply_scaled_updates(
     )
   if config.enabled:
     _check_sees_grads_as_given(opt_state)
-  grads = none_expanded(grads, params)
   if grads is None and params is not None:
     raise ValueError(
       "jaxamp.apply_scaled_updates: the gradient tree does not match the parameter tree: "
       "grads is None. Pass gradients shaped like params (None leaves for frozen ones)."
     )
+  grads = none_expanded(grads, params)
   check_float_gradients(grads)
   check_same_structure(grads, params)
   eager = not traced((grads, opt_state))
