@@ -103,4 +103,5 @@ def cond_around_loops(pred: jax.Array, true_fn: Callable, false_fn: Callable, *o
   if not enabled("in_place") or not any(map(_differentiated, jax.tree.leaves(operands))):
     return cond(pred, true_fn, false_fn, *operands)
   taken, other = true_fn(*operands), false_fn(*operands)
-  return jax.tree.map(lambda t, o: jnp.where(pred, t, o), taken, other)
+  # A leaf both branches return as it is (an Equinox module's function) is kept.
+  return jax.tree.map(lambda t, o: t if t is o else jnp.where(pred, t, o), taken, other)
