@@ -262,6 +262,17 @@ class OptaxDriver:
   def _scale_state(self) -> jaxamp.DynamicLossScaleState:
     return jaxamp.ops.find_loss_scale_state(self.opt_state)
 
+  def _record(self, losses, scale_used, found, state) -> dict[str, Any]:
+    """One iteration's record, from the scale state read after it."""
+    return {
+      "loss": float(np.mean(losses)),
+      "scale_used": scale_used,
+      "found": found,
+      "scale": np.asarray(state.loss_scale),
+      "tracker": int(state.growth_tracker),
+      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
+    }
+
   def _staged_step(self, step: int) -> dict[str, Any]:
     """Each stage: the gradients of its scaled loss at the current params,
     ``None`` for the other optimizers' leaves, ``tx.update(...,
@@ -281,14 +292,7 @@ class OptaxDriver:
       # This iteration's flags of the stage's own leaves (a finite iteration keeps older ones).
       own = [bool(f) for f, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == stage]
       found.append(bool(state.found_inf) and any(own))
-    return {
-      "loss": float(np.mean(losses)),
-      "scale_used": scale_used,
-      "found": found,
-      "scale": np.asarray(state.loss_scale),
-      "tracker": int(state.growth_tracker),
-      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
-    }
+    return self._record(losses, scale_used, found, state)
 
   def step(self, step: int) -> dict[str, Any]:
     if self.pair.stages:
@@ -324,14 +328,7 @@ class OptaxDriver:
         and any(bool(flag) for flag, o in zip(state.nonfinite_leaves, self._leaf_owner) if o == i)
         for i in range(self.n_optimizers)
       ]
-    return {
-      "loss": float(np.mean(losses)),
-      "scale_used": scale_used,
-      "found": found,
-      "scale": np.asarray(state.loss_scale),
-      "tracker": int(state.growth_tracker),
-      "params": self.pair.to_torch_layout(jax.device_get(self.params)),
-    }
+    return self._record(losses, scale_used, found, state)
 
   def unscale_torch_grads(self, scaled: dict, scale: np.float32):
     """``jaxamp.ops.unscale_and_check`` on torch's scaled gradients."""

@@ -225,14 +225,18 @@ class TorchRun:
     for scheduler in self.schedulers:  # every iteration, skipped ones included
       if scheduler is not None:
         step_torch_scheduler(scheduler)
+    return self._record(losses, scale_used, scaled, unscaled, found)
+
+  def _record(self, losses, scale_used, scaled, unscaled, found) -> dict[str, Any]:
+    """One iteration's record, read after ``scaler.update()``."""
     return {
       "loss": float(np.mean(losses)),
       "scale_used": scale_used,
       "scaled": scaled,
       "unscaled": unscaled,
       "found": found,
-      "scale": _f32(scaler.get_scale()),
-      "tracker": scaler._get_growth_tracker(),
+      "scale": _f32(self.scaler.get_scale()),
+      "tracker": self.scaler._get_growth_tracker(),
       "params": self.pair.torch_arrays("data"),
     }
 
@@ -259,16 +263,7 @@ class TorchRun:
       unscaled.update({n: grads[n] for n in names})
     found = [self._found_inf(opt) for opt in self.optimizers]
     scaler.update()
-    return {
-      "loss": float(np.mean(losses)),
-      "scale_used": scale_used,
-      "scaled": scaled,
-      "unscaled": unscaled,
-      "found": found,
-      "scale": _f32(scaler.get_scale()),
-      "tracker": scaler._get_growth_tracker(),
-      "params": self.pair.torch_arrays("data"),
-    }
+    return self._record(losses, scale_used, scaled, unscaled, found)
 
   def _found_inf(self, opt) -> bool | None:
     """The optimizer's recorded found_inf; None if it recorded none this step."""
