@@ -4,20 +4,26 @@ the step takes ``lax.cond``, not the in-place loop of zero or one trip, which
 JAX cannot transpose, and a window's end is selected, not branched to (a
 ``lax.cond``'s branches are traced before they are differentiated).
 
-``jax.grad(jax.jit(step))`` is not covered: the jitted step is traced before it
-is differentiated, so it takes the loop, and JAX raises "Reverse-mode
-differentiation does not work for lax.while_loop" (docs/optax.md); differentiate
-inside ``jit`` (``jax.jit(jax.grad(...))``), or turn the loop off.
+``jax.grad(jax.jit(step))`` traces the step before it is differentiated, so it
+takes the loop; the loop is differentiated as the ``lax.cond`` that computes the
+same.
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_derivatives import (
   OPTIMIZERS,
   SCALES,
+  _assert_trees_close,
+  _tree,
   check_derivatives,
   check_skipped_step_derivatives,
+  jaxamp_step,
+  plain_step,
 )
 
 FRONT_ENDS = ("optax", "accumulate_gradients")
@@ -38,3 +44,34 @@ def test_grad_through_optax_form_update_equals_plain_optax(front_end, kind, scal
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_grad_of_skipped_optax_form_step_is_that_of_the_unchanged_params(front_end):
   check_skipped_step_derivatives(front_end)
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_derivatives_of_jitted_step_through_in_place_loop(front_end, kind):
+  """``jax.grad(jax.jit(step))``: the jitted step is traced before it is
+  differentiated, so it takes the in-place loop, which is differentiated as
+  the ``lax.cond`` that computes the same."""
+  rng = np.random.default_rng(0)
+  params, grads, lr = _tree(rng), _tree(rng, 0.5), jnp.float32(0.1)
+  cotangent, tangents = _tree(rng), (_tree(rng), _tree(rng), jnp.float32(0.5))
+  ours = jax.jit(lambda p, g, lr: jaxamp_step(front_end, kind, 2.0**10, p, g, lr))
+  assert "while[" in str(jax.make_jaxpr(ours)(params, grads, lr))
+
+  def theirs(p, g, lr):
+    return plain_step(kind, p, g, lr)
+
+  def loss(fn):
+    def pulled(*args):
+      out = fn(*args)
+      return sum(jnp.sum(c * o) for c, o in zip(jax.tree.leaves(cotangent), jax.tree.leaves(out)))
+
+    return pulled
+
+  what = f"{front_end} {kind}"
+  got = jax.grad(loss(ours), argnums=(0, 1, 2))(params, grads, lr)
+  want = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2)))(params, grads, lr)
+  _assert_trees_close(got, want, f"{what}: grad")
+  got = jax.jvp(ours, (params, grads, lr), tangents)[1]
+  want = jax.jit(lambda *p: jax.jvp(theirs, p, tangents))(params, grads, lr)[1]
+  _assert_trees_close(got, want, f"{what}: jvp")

@@ -14,10 +14,6 @@ from jaxamp._xla.compile_cache import traced
 from jaxamp._xla.jax_internals import is_batched
 
 
-class _TypesDiffer(Exception):
-  """The inner update returns other types than it takes: no loop can carry them."""
-
-
 def _differentiated(x: Any) -> bool:
   """Whether ``x`` carries a tangent (``jax.jvp``, ``jax.grad``, ``jax.linearize``)."""
   while isinstance(x, jax.core.Tracer):
@@ -29,6 +25,16 @@ def _differentiated(x: Any) -> bool:
 
 def _type(x: Any) -> Any:
   return jax.typeof(x).strip_weak_type()
+
+
+# XLA CPU compiles a loop that touches few bytes into one kernel of its own,
+# whose arithmetic it contracts otherwise than the top level's (BENCHMARKS.md,
+# "In-place updates"); a step this small has no buffer worth reusing.
+SMALL_BYTES = 1 << 20
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(jax.typeof(x).size * jax.typeof(x).dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def apply_unless(
@@ -51,27 +57,19 @@ def apply_unless(
   (BENCHMARKS.md, "In-place updates"). Here the step is a ``lax.while_loop``
   of zero or one trip, whose carry XLA updates in place: the updates take the
   gradients' buffer, and a skipped step (zero trips) returns the inner state
-  untouched and zero updates.
+  untouched and zero updates. Differentiated, it is the same step's
+  ``lax.cond`` (reverse mode cannot transpose a loop), which computes the same.
   Gradients that are an input of the jitted function, not computed in it,
   are copied into the loop first.
 
   Where the inner update returns other types than it takes (structure, shapes,
   dtypes: optax's Adam widens a bfloat16 parameter's moments on its first
   update), no loop can carry them, and this is the ``lax.cond``; so it is
-  when the in_place workaround is off, eagerly, and under ``vmap``. ``on_skip``,
-  when given, is what a skipped step does to the inner state (torch's
-  schedule counts); it must change only a few leaves and return the others as
-  they are.
+  when the in_place workaround is off, for a step under :data:`SMALL_BYTES`,
+  eagerly, and under ``vmap``. ``on_skip``, when given, is what a skipped step
+  does to the inner state (torch's schedule counts); it must change only a few
+  leaves and return the others as they are.
   """
-
-  def body(carry):
-    go, grads, inner_state = carry
-    out = apply(grads, inner_state, params)
-    (got, structure), (want, carried) = map(jax.tree.flatten, (out, (grads, inner_state)))
-    if structure != carried or list(map(_type, got)) != list(map(_type, want)):
-      raise _TypesDiffer
-    return (~go, *out)  # one trip: go is True here
-
   # Eagerly (jax.disable_jit) a loop of no trip would not see the types; under
   # vmap its predicate is batched, and checkify cannot check a batched loop;
   # differentiated, reverse mode cannot transpose a while_loop.
@@ -81,17 +79,65 @@ def apply_unless(
     or not traced(found_inf)
     or is_batched(found_inf)
     or any(map(_differentiated, jax.tree.leaves(operands)))
+    or _nbytes((grads, inner_state)) < SMALL_BYTES
   ):
     return conditional()
-  try:
-    _, updates, state = lax.while_loop(lambda c: c[0], body, (~found_inf, grads, inner_state))
-  except _TypesDiffer:
+  # The update, as a function of what it closes over (the params, extra args):
+  # a derivative rule is traced after this trace, when its tracers are gone.
+  traced_apply, out_shape = jax.make_jaxpr(lambda g, s: apply(g, s, params), return_shape=True)(
+    grads, inner_state
+  )
+  carried = (grads, inner_state)
+  if jax.tree.structure(out_shape) != jax.tree.structure(carried) or [
+    _type(x) for x in jax.tree.leaves(out_shape)
+  ] != [_type(x) for x in jax.tree.leaves(carried)]:
     return conditional()
+
+  def step(carried: Any, consts: list) -> Any:
+    out = jax.core.eval_jaxpr(traced_apply.jaxpr, consts, *jax.tree.leaves(carried))
+    return jax.tree.unflatten(jax.tree.structure(carried), out)
+
+  updates, state = _in_place(step)(found_inf, carried, list(traced_apply.consts))
   updates = jax.tree.map(lambda u: jnp.where(found_inf, jnp.zeros_like(u), u), updates)
   if on_skip is not None:  # select only the leaves a skipped step changes
     advanced = on_skip(state)
     state = jax.tree.map(lambda a, s: s if a is s else jnp.where(found_inf, a, s), advanced, state)
   return updates, state
+
+
+def _xor_floats(x: jax.Array, zero: jax.Array) -> jax.Array:
+  """``x``, its bits XOR-ed with ``zero`` if it is a float array."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
+
+
+def _in_place(step: Callable[[Any, list], Any]) -> Callable:
+  """``step(carried, consts)`` unless ``found_inf`` (else ``carried``), as a
+  loop of zero or one trip, differentiated as the ``lax.cond`` that computes
+  the same."""
+
+  @jax.custom_jvp
+  def loop(found_inf, carried, consts):
+    def body(c):
+      go, carried = c
+      # XLA hoists out of a loop what depends on no carry (``params * wd``),
+      # and a hoisted product is not contracted into the FMA the top level
+      # computes; XOR-ed with a zero that depends on the carry, nothing does.
+      zero = (~go).astype(jnp.int32)
+      return ~go, step(carried, [_xor_floats(k, zero) for k in consts])  # one trip
+
+    return lax.while_loop(lambda c: c[0], body, (~found_inf, carried))[1]
+
+  @loop.defjvp
+  def as_cond(primals, tangents):
+    def branched(found_inf, carried, consts):
+      return lax.cond(found_inf, lambda c, k: c, step, carried, consts)
+
+    return jax.jvp(branched, primals, tangents)
+
+  return loop
 
 
 def cond_around_loops(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, cond):
