@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jaxamp._autocast import cpu_math
 from jaxamp._autocast.policies import F32, FUSED_FUNCTIONS
 
 
@@ -190,7 +191,65 @@ def _log_softmax_cpu(
   return [shifted - jnp.log(total).astype(half).astype(F32)]
 
 
+def _max_operand(eqns: list[Any]) -> Any:
+  """The variable of ``eqns``' scope whose ``reduce_max`` the one in ``eqns``
+  (or in a ``jit`` among them) takes, when it takes it unchanged; else None."""
+  for eqn in eqns:
+    if eqn.primitive.name == "reduce_max":
+      return eqn.invars[0]
+    if eqn.primitive.name in ("pjit", "jit"):
+      inner = eqn.params["jaxpr"].jaxpr
+      v = _max_operand(inner.eqns)
+      if v is not None and v in inner.invars:
+        return eqn.invars[inner.invars.index(v)]
+      if any(e.primitive.name == "reduce_max" for e in _primitive_eqns(inner.eqns)):
+        return None
+  return None
+
+
+def _cross_entropy_cpu(
+  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
+) -> list[Any] | None:
+  """torch's CPU ``cross_entropy`` of float32 logits over the last axis (its
+  log-softmax kernel, then ``nll_loss``): ``-((x[t] - max) - log(sum))`` with
+  SLEEF's ``exp`` and ``log`` and the sum in the vector lanes' order
+  (``cpu_math``); against one-hot or soft labels ``-sum(labels * (x - max -
+  log(sum)))``, the label sum as written. None (the ops as written) where torch's
+  CPU kernels are not SLEEF's (``cpu_math.torch_cpu_lanes``), over another axis,
+  or with ``where``."""
+  lanes = cpu_math.torch_cpu_lanes()
+  maxes = [e for e in _primitive_eqns(eqns) if e.primitive.name == "reduce_max"]
+  logits = _max_operand(eqns)
+  defined = {v for eqn in eqns for v in eqn.outvars}
+  ins = {
+    v
+    for eqn in eqns
+    for v in eqn.invars
+    if not isinstance(v, jex_core.Literal) and v not in defined
+  }
+  if lanes is None or len(maxes) != 1 or logits not in ins or len(ins) != 2 or len(outs) != 1:
+    return None
+  (other,) = ins - {logits}
+  x, labels = read(logits), read(other)
+  shape = np.shape(x)
+  if (
+    np.dtype(x.dtype) != F32
+    or tuple(maxes[0].params["axes"]) != (len(shape) - 1,)
+    or tuple(outs[0].aval.shape) != shape[:-1]
+  ):
+    return None
+  shifted = x - lax.stop_gradient(jnp.max(x, -1, keepdims=True))
+  log_sum = cpu_math.log(cpu_math.row_sum(cpu_math.exp(shifted), lanes))
+  if np.issubdtype(labels.dtype, np.integer) and np.shape(labels) == shape[:-1]:
+    picked = jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0]
+    return [-(picked - log_sum)]
+  if np.issubdtype(labels.dtype, np.floating) and np.shape(labels) == shape:
+    return [-jnp.sum(labels * (shifted - log_sum[..., None]), -1)]
+  return None
+
+
 CPU_KERNELS: dict[str, Callable[..., list[Any] | None]] = {
+  "cross_entropy": _cross_entropy_cpu,
   "gelu": _gelu_cpu,
   "log_softmax": _log_softmax_cpu,
 }
