@@ -148,6 +148,59 @@ def test_softmax_cross_entropy_is_float32_as_torch_cpu_autocast_matches_torch(na
   assert np.mean(rounded == theirs.to(getattr(_torch(), half)).float().numpy()) >= 0.99
 
 
+def _torch_lanes():
+  from jaxamp._autocast import cpu_math
+
+  lanes = cpu_math.torch_cpu_lanes()
+  if lanes is None:
+    pytest.skip("torch's CPU kernels here are not its SLEEF AVX2/AVX512 ones: not emulated")
+  return lanes
+
+
+@pytest.mark.torch
+def test_torch_cpu_lanes_is_the_vector_width_torch_dispatches_to_matches_torch():
+  torch = _torch()
+  capability = torch.backends.cpu.get_cpu_capability()
+  from jaxamp._autocast import cpu_math
+
+  assert cpu_math.torch_cpu_lanes() == {"AVX2": 8, "AVX512": 16}.get(capability)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize(
+  "classes", [64, 13, 5]
+)  # full vectors, a tail, a row shorter than a vector
+@pytest.mark.parametrize("name", LOSSES)
+def test_softmax_cross_entropy_float32_bits_as_torch_cpu_kernel_matches_torch(name, half, classes):
+  torch = _torch()
+  _torch_lanes()
+  F = torch.nn.functional
+  rng = np.random.default_rng(classes)
+  x = rng.standard_normal((N, D)).astype(np.float32)
+  w = (2.0 / math.sqrt(D) * rng.standard_normal((D, classes))).astype(np.float32)
+  labels = rng.integers(0, classes, N)
+  with torch.autocast("cpu", dtype=getattr(torch, half)):
+    logits = torch.tensor(x) @ torch.tensor(w)
+    theirs = F.cross_entropy(logits, torch.tensor(labels), reduction="none").numpy()
+  # torch's own half logits: the loss alone, not the matmul before it
+  h = jnp.asarray(logits.float().numpy()).astype(HALVES[half])
+  loss = {
+    "softmax_cross_entropy": lambda h: optax.softmax_cross_entropy(
+      h, jax.nn.one_hot(labels, classes)
+    ),
+    "softmax_cross_entropy_with_integer_labels": lambda h: (
+      optax.softmax_cross_entropy_with_integer_labels(h, jnp.asarray(labels))
+    ),
+  }[name]
+  ours = np.asarray(jax.jit(jaxamp.autocast(loss, HALVES[half], policy="cpu"))(h))
+  # torch's kernel: SLEEF's exp and log, the row summed in its vector lanes'
+  # order, -((x[t] - max) - log(sum)). Measured 100% equal; optax's ops as XLA
+  # computes them: 84-92% (logsumexp's (max + log) - x[t], XLA's order and log).
+  assert ours.dtype == theirs.dtype == np.float32
+  assert np.mean(ours == theirs) >= 0.99, np.mean(ours == theirs)
+
+
 def _block(w, x, labels):
   """Each fused op once, on half matmul outputs."""
   h = x @ w
