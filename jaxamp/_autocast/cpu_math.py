@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-F32 = np.dtype(np.float32)
 # torch's DispatchStub picks AVX512 on these CPU features, else AVX2 on the second set
 _AVX512 = frozenset({"avx512vl", "avx512bw", "avx512dq", "fma"})
 _AVX2 = frozenset({"avx2", "fma"})
@@ -126,7 +125,7 @@ def _expf(d: Any) -> Any:
   # q * 0.693145751953125 is exact (at most 8 and 12 significant bits): one rounding, as the FMA
   s = d - q * _opaque(0.693145751953125)
   s = fma(q, np.float32(-1.428606765330187045e-06), s)
-  u = _EXP_POLY[0]
+  u: Any = _EXP_POLY[0]
   for c in _EXP_POLY[1:]:
     u = fma(u, s, c)
   u = np.float32(1.0) + fma(s * s, u, s)
