@@ -23,8 +23,9 @@ def _differentiated(x: Any) -> bool:
   return False
 
 
-def _type(x: Any) -> Any:
-  return jax.typeof(x).strip_weak_type()
+def _types(tree: Any) -> tuple[Any, list]:
+  """``tree``'s structure and its leaves' types, weak or not."""
+  return jax.tree.structure(tree), [jax.typeof(x).strip_weak_type() for x in jax.tree.leaves(tree)]
 
 
 # XLA CPU compiles a loop that touches few bytes into one kernel of its own,
@@ -88,9 +89,7 @@ def apply_unless(
     grads, inner_state
   )
   carried = (grads, inner_state)
-  if jax.tree.structure(out_shape) != jax.tree.structure(carried) or [
-    _type(x) for x in jax.tree.leaves(out_shape)
-  ] != [_type(x) for x in jax.tree.leaves(carried)]:
+  if _types(out_shape) != _types(carried):
     return conditional()
 
   def step(carried: Any, consts: list) -> Any:
