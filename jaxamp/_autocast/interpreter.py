@@ -33,6 +33,7 @@ from jaxamp._autocast.policies import (
   LOWER,
   POLICIES,
 )
+from jaxamp._xla.fma_guard import kept_bfloat16
 
 
 class Mode(NamedTuple):
@@ -225,7 +226,7 @@ class Interpreter:
     hit = self.trace.cache.get(key)
     if hit is not None and hit[0] is x:
       return hit[1]
-    y = lax.convert_element_type(x, dtype)  # type: ignore[assignment]
+    y = kept_bfloat16(lax.convert_element_type(x, dtype), x.dtype)  # type: ignore[assignment]
     self.trace.cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
     self.trace.casts += 1
     return y
@@ -362,7 +363,11 @@ class Interpreter:
     """``convert_element_type`` as written, keeping what promotion needs to know."""
     new = np.dtype(eqn.params["new_dtype"])
     # a NumPy constant (a literal: a Python scalar) stays one
-    out = np.asarray(x, new) if _is_literal(x) else eqn.primitive.bind(x, **eqn.params)
+    out: Any = (
+      np.asarray(x, new)
+      if _is_literal(x)
+      else kept_bfloat16(eqn.primitive.bind(x, **eqn.params), x.dtype)
+    )
     if _is_float(new) and not _is_float(x.dtype):
       return self._mark(out, "int")  # jnp's promotion of a mask or an index
     kind = self._kind(x)

@@ -7,15 +7,17 @@ and each has a plain form, used when it is turned off:
 
 - ``layout``: gradients constrained to row-major on XLA CPU, so no kernel copies
   them a second time (BENCHMARKS.md, "Gradient layout"). Off: as given.
-- ``in_place``: the applied-or-skipped step of 1 MiB or more as a loop of zero
-  or one trip, whose carry XLA updates in place, differentiated as its
-  ``lax.cond`` (BENCHMARKS.md, "In-place updates"). Off: ``lax.cond``.
+- ``in_place``: the applied-or-skipped step of ``in_place.SMALL_BYTES`` or
+  more as a loop of zero or one trip, whose carry XLA updates in place,
+  differentiated as its ``lax.cond`` (BENCHMARKS.md, "In-place updates").
+  Off: ``lax.cond``.
 - ``fma_guard``: unscaled gradients and updates kept rounded as torch
   materialises them, by XOR-ing their bits with a zero XLA cannot see, which
   costs no memory pass (BENCHMARKS.md, "FMA guard"). It has no plain form and
   cannot be turned off: without it XLA CPU contracts the unscale into the
   optimizer's FMAs and changes values (``lax.optimization_barrier`` did not
-  stop it: tests/test_xla_workarounds.py).
+  stop it: tests/test_xla_workarounds.py). The same module keeps autocast's
+  bfloat16 values rounded where XLA would skip the rounding (``kept_bfloat16``).
 - ``compile_cache``: an eager call compiles once per configuration and shapes
   (BENCHMARKS.md, "Compile cache"). Off: traced and run on every call.
 - ``platform``: leaves treated one way on XLA CPU and another elsewhere, in one

@@ -1,4 +1,5 @@
-"""Values kept rounded as torch materialises them, where XLA would contract an FMA.
+"""Values kept rounded as torch materialises them, where XLA would contract an
+FMA or skip a bfloat16 rounding.
 
 torch materialises the unscaled gradients, and the updates, in memory before
 the optimizer (or ``apply_updates``) reads them. Fused into one kernel, XLA
@@ -13,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._xla.platform import map_by_platform
@@ -67,3 +69,17 @@ def rounded_updates(updates: Any, loss_scale: jax.Array) -> Any:
   # A zero other than rounded_unscaled's, so that XLA cannot cancel the two
   # XORs of an identity optimizer, (b ^ z) ^ z = b.
   return _guard(updates, _runtime_zero(loss_scale) * 2, halves_rounded_on_cpu=False)
+
+
+def kept_bfloat16(converted: jax.Array, source: Any) -> jax.Array:
+  """``converted``, a value of dtype ``source`` converted to a wider float,
+  keeping its rounding to bfloat16. XLA may skip rounding a float32 result to
+  bfloat16 that is converted straight back up (it allows excess precision),
+  where torch materialises the bfloat16 (BENCHMARKS.md, "autocast").
+  ``reduce_precision`` to bfloat16's 8 exponent and 7 mantissa bits is the
+  identity on a bfloat16 value, and XLA keeps it. float16 is left as it is:
+  ``reduce_precision`` would flush its subnormals, which float32 holds."""
+  wider = jnp.issubdtype(converted.dtype, jnp.floating) and converted.dtype.itemsize > 2
+  if np.dtype(source) != jnp.bfloat16 or not wider:
+    return converted
+  return lax.reduce_precision(converted, exponent_bits=8, mantissa_bits=7)
