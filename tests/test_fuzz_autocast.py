@@ -614,16 +614,20 @@ def _inputs(seed):
   return x, m, i
 
 
-@given(program=programs(), half=st.sampled_from(sorted(HALVES)), seed=st.integers(0, 2**16))
+@given(
+  program=programs(),
+  half=st.sampled_from(sorted(HALVES)),
+  seed=st.integers(0, 2**16),
+  jitted=st.booleans(),
+)
 @fuzz_settings(ci_examples=40)
-def test_random_programs_match_torch_autocast(program, half, seed):
+def test_random_programs_match_torch_autocast(program, half, seed, jitted):
   ops, infos = program
   x, m, i = _inputs(seed)
   failures = []
 
-  ours = jaxamp.autocast(
-    lambda *v: run_jax(ops, v, half, "cpu")[3:], HALVES[half][0], policy="cpu"
-  )(jnp.asarray(x), jnp.asarray(m), jnp.asarray(i))
+  fn = jaxamp.autocast(lambda *v: run_jax(ops, v, half, "cpu")[3:], HALVES[half][0], policy="cpu")
+  ours = (jax.jit(fn) if jitted else fn)(jnp.asarray(x), jnp.asarray(m), jnp.asarray(i))
   with torch.autocast("cpu", dtype=HALVES[half][1]):
     theirs = run_torch(ops, [torch.tensor(x), torch.tensor(m), torch.tensor(i)], half)[3:]
   for k, (o, t) in enumerate(zip(ours, theirs)):
