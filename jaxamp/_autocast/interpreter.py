@@ -287,15 +287,7 @@ class Interpreter:
     kernel = CPU_KERNELS.get(span.op) if mode.policy == "cpu" else None
     outs = kernel(eqns, read32, half, span.outs) if kernel is not None else None
     if outs is None:
-      off = self.in_mode(_MODES[OFF_SCOPE])
-      for eqn in eqns:
-        args = [read32(v) for v in eqn.invars]
-        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] in HALF:
-          env[eqn.outvars[0]] = args[0]  # jnp's rounding of a half sum: not in torch's kernel
-          continue
-        out = off.eval_in_mode(eqn, args)
-        for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]):
-          env[v] = x
+      _in_float32(self.in_mode(_MODES[OFF_SCOPE]), eqns, env, read32)
       outs = [env[v] for v in span.outs]
     to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
     for v, x in zip(span.outs, outs):
@@ -486,6 +478,34 @@ def _with_bias(primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias:
 
   fused.defjvp(fused_jvp, symbolic_zeros=True)
   return fused(lhs, rhs, bias)
+
+
+def _in_float32(off: Interpreter, eqns: list[Any], env: dict[Any, Any], read32: Callable) -> None:
+  """``eqns`` (a fused op's call) run with autocast off on float32 inputs, into
+  ``env``: jnp's roundings of a half sum back to the half dtype are left out,
+  as torch's kernel has none, in a ``jit`` call the op makes too
+  (``jax.nn.standardize`` of a value that is half when traced)."""
+  for eqn in eqns:
+    args = [read32(v) for v in eqn.invars]
+    if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] in HALF:
+      env[eqn.outvars[0]] = args[0]
+      continue
+    if eqn.primitive.name in ("jit", "pjit"):
+      closed = eqn.params["jaxpr"]
+      inner = dict(zip(closed.jaxpr.constvars, closed.consts))
+      inner.update(zip(closed.jaxpr.invars, args))
+
+      def read_inner(v: Any, inner: dict = inner) -> Any:
+        x = v.val if isinstance(v, jex_core.Literal) else inner[v]
+        return off.cast(x, F32) if np.dtype(x.dtype) in HALF else x
+
+      _in_float32(off, closed.jaxpr.eqns, inner, read_inner)
+      outs = [read_inner(v) for v in closed.jaxpr.outvars]
+    else:
+      out = off.eval_in_mode(eqn, args)
+      outs = out if eqn.primitive.multiple_results else [out]
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
 
 
 def _bind_params(eqn: Any) -> dict[str, Any]:
