@@ -7,6 +7,7 @@ pytest puts ``tests/`` (a rootdir folder with a ``conftest.py`` and no
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +16,29 @@ import numpy as np
 import optax
 
 import jaxamp
+
+# ---------------------------------------------------------------------------------
+# Subprocesses.
+# ---------------------------------------------------------------------------------
+
+
+def compilation_cache_env(name: str) -> dict[str, str]:
+  """Environment variables that give a test's subprocesses a persistent compilation
+  cache of their own, ``name`` under the tests' (tests/conftest.py): a program that
+  several of them compile is compiled once per run, and a rerun loads it. Their own
+  directory, since JAX's size-limited cache reads every entry before each write
+  (the test processes skip that, the subprocesses cannot); empty when the cache is
+  off."""
+  path = jax.config.jax_compilation_cache_dir
+  if not path:
+    return {}
+  return {
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(path, "subprocesses", name),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    # The size limit turns on the cache's file lock: subprocesses run side by side.
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**28),
+  }
+
 
 # ---------------------------------------------------------------------------------
 # Bits and trees.

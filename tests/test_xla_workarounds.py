@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import compilation_cache_env
 
 RUN = r"""
 import hashlib, jax, jax.numpy as jnp, numpy as np, optax, jaxamp
@@ -43,8 +44,10 @@ print(digest.hexdigest())
 @functools.cache
 def _run(off: str) -> str:
   """The run's digest with the workarounds ``off`` turned off; each run once per
-  worker process (the baseline ``""`` is every test's reference)."""
-  env = {**os.environ, "JAXAMP_XLA_OFF": off}
+  worker process (the baseline ``""`` is every test's reference). The runs share a
+  compilation cache: a program that a workaround leaves unchanged is compiled once
+  (a cache entry is keyed by the program, so a changed one compiles afresh)."""
+  env = {**os.environ, **compilation_cache_env("xla_workarounds"), "JAXAMP_XLA_OFF": off}
   out = subprocess.run(
     [sys.executable, "-c", RUN], env=env, capture_output=True, text=True, check=True
   )
@@ -82,7 +85,7 @@ def test_xla_workarounds_switch_refuses_unknown_names():
 def test_xla_workarounds_comparison_can_fail():
   # The digest covers the params: a run one step shorter gives another one.
   shorter = RUN.replace("range(12)", "range(11)")
-  env = {**os.environ, "JAXAMP_XLA_OFF": ""}
+  env = {**os.environ, **compilation_cache_env("xla_workarounds"), "JAXAMP_XLA_OFF": ""}
   out = subprocess.run(
     [sys.executable, "-c", shorter], env=env, capture_output=True, text=True, check=True
   )
