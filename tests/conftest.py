@@ -14,11 +14,12 @@ SHARED_FIXTURES = HERE.parents[1] / "shared" / "torch_reference" / "fixtures.jso
 def _persistent_compilation_cache() -> None:
   """JAX's persistent compilation cache for the test processes, so that a rerun
   loads the programs an earlier run compiled (about half the CPU time of a warm
-  rerun; a cold run gains nothing). ``JAXAMP_TEST_COMPILATION_CACHE`` names its
-  directory, or ``off``. Set through ``jax.config``, not the environment: the
-  subprocesses the tests start (the crash-resume worker is killed mid-run) compile
-  without it. The size limit turns on the cache's file lock, which the xdist
-  workers need to share it."""
+  rerun), and a program that several tests or processes of one run compile is
+  compiled once. ``JAXAMP_TEST_COMPILATION_CACHE`` names its directory, or
+  ``off``. Set through ``jax.config``, not the environment: a subprocess a test
+  starts compiles without it unless the test gives it a cache of its own
+  (``helpers.compilation_cache_env``). The size limit turns on the cache's file
+  lock, which the xdist workers need to share it."""
   path = os.environ.get("JAXAMP_TEST_COMPILATION_CACHE") or os.path.join(
     tempfile.gettempdir(), f"jaxamp-test-compilation-cache-{os.getuid()}"
   )
@@ -27,6 +28,30 @@ def _persistent_compilation_cache() -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_compilation_cache_max_size", 2**30)
+  _evict_once_per_process()
+
+
+def _evict_once_per_process() -> None:
+  """With a size limit, JAX's cache (``jax._src.lru_cache.LRUCache``) reads the size
+  and the access time of every entry before each write, under its lock: the
+  suite writes over 4,000 programs, so a cold run read files quadratically, 0.5 s
+  per write at the end (a third of its CPU time). Each test process evicts once,
+  at its first write, and then writes without the scan: the cache overshoots its
+  limit by at most one run's programs (about 70 MB), and the lock stays. Without
+  the private method (another JAX), the cache works as JAX ships it, only slower."""
+  from jax._src import lru_cache
+
+  evict = getattr(lru_cache.LRUCache, "_evict_if_needed", None)
+  if evict is None:
+    return
+  evicted = set()
+
+  def evict_once(self, *, additional_size=0):
+    if self.path not in evicted:
+      evicted.add(self.path)
+      evict(self, additional_size=additional_size)
+
+  lru_cache.LRUCache._evict_if_needed = evict_once
 
 
 _persistent_compilation_cache()
