@@ -175,15 +175,17 @@ def test_multiply_exact_either_selects_the_factor_before_multiplying():
   rng = np.random.default_rng(11)
   scales = rng.uniform(1e-30, 1e30, 500).astype(np.float32)
   for first, second in ((0.3, 1.5), (0.5, 2.0), (1e39, 1.1), (jnp.float32(0.3), 1.5)):
+    # use_first traced, as the scale update's found_inf is: one program selects
+    # at run time, for both values.
+    either = jax.jit(
+      jax.vmap(lambda s, u, a=first, b=second: multiply_exact_either(s, u, a, b), (0, None))
+    )
     for use_first in (True, False):
-      either = jax.jit(
-        jax.vmap(
-          lambda s, u=use_first, a=first, b=second: multiply_exact_either(s, jnp.bool_(u), a, b)
-        )
-      )(scales)
       factor = first if use_first else second
-      direct = jax.jit(jax.vmap(lambda s, f=factor: multiply_exact(s, f)))(scales)
-      assert np.asarray(either).tobytes() == np.asarray(direct).tobytes()
+      # The product with the chosen factor, multiply_exact's result (its own tests
+      # check it against this float64 reference on every kind of scale).
+      direct = _reference(scales, np.float64(factor))
+      assert np.asarray(either(scales, jnp.bool_(use_first))).tobytes() == direct.tobytes()
 
 
 @pytest.mark.slow
