@@ -30,16 +30,18 @@ def _runtime_zero(loss_scale: jax.Array) -> jax.Array:
 
 
 @jax.custom_jvp
-def _xor(x: jax.Array, zero: jax.Array) -> jax.Array:
+def xor_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
+  """``x`` (a float array) with its bits XOR-ed with the int ``zero``: the same
+  value, which XLA cannot prove unchanged."""
   bits = _BITS[x.dtype.itemsize]
   return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
 
 
-@_xor.defjvp
+@xor_bits.defjvp
 def _xor_jvp(primals, tangents):
   # The XOR is the identity on values, so it is on tangents (a bitcast has none).
   x, zero = primals
-  return _xor(x, zero), tangents[0]
+  return xor_bits(x, zero), tangents[0]
 
 
 def _is_half(x: jax.Array) -> bool:
@@ -48,7 +50,7 @@ def _is_half(x: jax.Array) -> bool:
 
 def _guard(tree: Any, zero: jax.Array, *, halves_rounded_on_cpu: bool) -> Any:
   def xor(x):
-    return x if x is None else _xor(x, zero)
+    return x if x is None else xor_bits(x, zero)
 
   if not halves_rounded_on_cpu:
     return jax.tree.map(xor, tree)

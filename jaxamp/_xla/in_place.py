@@ -11,6 +11,7 @@ from jax import lax
 
 from jaxamp._xla import enabled
 from jaxamp._xla.compile_cache import traced
+from jaxamp._xla.fma_guard import xor_bits
 from jaxamp._xla.jax_internals import is_batched
 
 
@@ -32,6 +33,10 @@ def _types(tree: Any) -> tuple[Any, list]:
 # whose arithmetic it contracts otherwise than the top level's (BENCHMARKS.md,
 # "In-place updates"); a step this small has no buffer worth reusing.
 SMALL_BYTES = 1 << 20
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _nbytes(tree: Any) -> int:
@@ -104,14 +109,6 @@ def apply_unless(
   return updates, state
 
 
-def _xor_floats(x: jax.Array, zero: jax.Array) -> jax.Array:
-  """``x``, its bits XOR-ed with ``zero`` if it is a float array."""
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    return x
-  bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
-
-
 def _in_place(step: Callable[[Any, list], Any]) -> Callable:
   """``step(carried, consts)`` unless ``found_inf`` (else ``carried``), as a
   loop of zero or one trip, differentiated as the ``lax.cond`` that computes
@@ -125,7 +122,8 @@ def _in_place(step: Callable[[Any, list], Any]) -> Callable:
       # and a hoisted product is not contracted into the FMA the top level
       # computes; XOR-ed with a zero that depends on the carry, nothing does.
       zero = (~go).astype(jnp.int32)
-      return ~go, step(carried, [_xor_floats(k, zero) for k in consts])  # one trip
+      varying = [xor_bits(k, zero) if _is_float(k) else k for k in consts]
+      return ~go, step(carried, varying)  # one trip
 
     return lax.while_loop(lambda c: c[0], body, (~found_inf, carried))[1]
 
