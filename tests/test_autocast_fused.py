@@ -123,6 +123,11 @@ def _run_both(name, half, jit=False, half_when_traced=False):
   return ours, theirs
 
 
+def _equal(ours, theirs):
+  """The fraction of elements of ``ours`` equal to torch's ``theirs``."""
+  return np.mean(np.asarray(ours.astype(jnp.float32)) == theirs.float().numpy())
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
 @pytest.mark.parametrize("name", HALF_OPS)
@@ -134,7 +139,7 @@ def test_fused_op_rounds_once_as_torch_cpu_autocast_matches_torch(name, half):
   # rounded sum of log-softmax). What is left is float32 rounding (XLA's exp and
   # summation order against SLEEF's): measured 99.8-100% equal. Computed
   # primitive by primitive in the half dtype: 30-82% (docs/autocast.md).
-  equal = np.mean(np.asarray(ours.astype(jnp.float32)) == theirs.float().numpy())
+  equal = _equal(ours, theirs)
   assert equal >= 0.99, equal
 
 
@@ -146,7 +151,7 @@ def test_fused_op_under_jit_rounds_as_torch_cpu_autocast_matches_torch(name, hal
   # before the op casts it back up (excess precision): 5% of softmax's
   # elements were torch's. jaxamp keeps the rounding (kept_bfloat16).
   ours, theirs = _run_both(name, half, jit=True)
-  equal = np.mean(np.asarray(ours.astype(jnp.float32)) == theirs.float().numpy())
+  equal = _equal(ours, theirs)
   assert equal >= 0.99, equal
 
 
@@ -158,7 +163,7 @@ def test_fused_op_of_a_value_half_when_traced_matches_torch(name, half):
   # mean and variance to the half dtype inside it, which torch's kernel does
   # not: 213 bfloat16 ulps off before jaxamp left those roundings out there too.
   ours, theirs = _run_both(name, half, half_when_traced=True)
-  equal = np.mean(np.asarray(ours.astype(jnp.float32)) == theirs.float().numpy())
+  equal = _equal(ours, theirs)
   assert equal >= 0.99, equal
 
 
