@@ -1,7 +1,8 @@
 """Outside jit: a ported torch loop with jaxamp.GradScaler, and dynamic_loss_scale's update.
 
 The README's first GradScaler loop (two Linear(10, 10) layers, Adam) run op by
-op, as a torch loop is, and ``tx.update`` of ``dynamic_loss_scale(adam)``
+op, as a torch loop is, the same with ``unscale_`` and clipping (torch's
+gradient-clipping recipe), and ``tx.update`` of ``dynamic_loss_scale(adam)``
 called outside ``jit``: median wall time of one iteration, waiting for the
 result, after three warm-up iterations.
 
@@ -44,6 +45,15 @@ def main():
     scaler.update()
     jax.block_until_ready(opt.params)
 
+  def grad_scaler_iteration_clipped():
+    opt.zero_grad()
+    opt.grads = jax.grad(lambda p: scaler.scale(loss_fn(p, x, y)))(opt.params)
+    scaler.unscale_(opt)
+    opt.grads, _ = jaxamp.clip_grad_norm(opt.grads, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    jax.block_until_ready(opt.params)
+
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   state = [tx.init(params)]
   grads = jax.tree.map(jnp.ones_like, params)
@@ -54,12 +64,13 @@ def main():
 
   for name, run in [
     ("GradScaler iteration", grad_scaler_iteration),
+    ("GradScaler iteration, unscale_ and clipping", grad_scaler_iteration_clipped),
     ("dynamic_loss_scale update", optax_update),
   ]:
     for _ in range(3):
       run()
     times = []
-    for _ in range(15):
+    for _ in range(60):
       start = time.perf_counter()
       run()
       times.append(time.perf_counter() - start)

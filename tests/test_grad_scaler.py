@@ -739,25 +739,29 @@ def test_grad_scaler_rejects_a_non_jaxamp_optimizer():
 @pytest.mark.slow
 def test_grad_scaler_eager_loop_compiles_nothing_after_the_first_iteration(backend_compiles):
   # A torch loop ported line by line runs outside jit: scaler.step's
-  # lax.cond is jitted once per optimizer and shapes, not every iteration.
+  # lax.cond, and the unscale and check of unscale_ or step, are jitted once
+  # per optimizer and shapes, not every iteration.
   params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
   scaler = jaxamp.GradScaler(init_scale=4.0)
   opt = jaxamp.Optimizer(optax.adam(1e-3), params)
 
-  def iteration(bad):
+  def iteration(bad, unscale_first):
     opt.zero_grad()
     loss = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]) * bad
     opt.grads = jax.grad(lambda p: scaler.scale(loss(p)))(opt.params)
+    if unscale_first:
+      scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
 
-  iteration(jnp.float32(1.0))
-  iteration(jnp.float32(jnp.inf))
+  for unscale_first in (False, True):
+    iteration(jnp.float32(1.0), unscale_first)
+    iteration(jnp.float32(jnp.inf), unscale_first)
   backend_compiles.clear()
-  for bad in (1.0, jnp.inf, 1.0):
-    iteration(jnp.float32(bad))
+  for bad, unscale_first in ((1.0, True), (jnp.inf, False), (1.0, False), (jnp.inf, True)):
+    iteration(jnp.float32(bad), unscale_first)
   assert backend_compiles == []
-  assert float(scaler.get_scale()) == 1.0  # two backoffs from 4
+  assert float(scaler.get_scale()) == 0.25  # four backoffs from 4
 
 
 class _UnhashableUpdate:

@@ -128,6 +128,12 @@ def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
   return engine.apply_or_skip(found_inf, apply, skip, params, opt_state)
 
 
+def _unscale_and_check(detect_unscale_overflow, grads, loss_scale):
+  """``grads`` unscaled, each leaf's finiteness and whether any leaf is not finite."""
+  finite = finite_leaves(grads, loss_scale, detect_unscale_overflow)
+  return unscale(grads, loss_scale), finite, ~jnp.all(finite)
+
+
 def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore:
   config, eager = static
   return advance(core, found_inf, config, eager=eager)
@@ -391,15 +397,15 @@ class GradScaler:
       return grads, None, None
     check_float_gradients(grads)
     check_same_structure(grads, optimizer.params)
-    scale = self._core.loss_scale
-    finite = finite_leaves(grads, scale, self._config.detect_unscale_overflow)
-    found_inf = ~jnp.all(finite)
+    grads, finite, found_inf = call_compiled(
+      _unscale_and_check, self._config.detect_unscale_overflow, grads, self._core.loss_scale
+    )
     nonfinite = per_param_leaf(grads, optimizer.params, ~finite)
     if nonfinite is not None and optimizer.nonfinite_leaves is not None:
       nonfinite = jnp.where(found_inf, nonfinite, optimizer.nonfinite_leaves)
     else:
       nonfinite = None
-    return unscale(grads, scale), found_inf, nonfinite
+    return grads, found_inf, nonfinite
 
   @_in_iteration
   def unscale_(self, optimizer: Optimizer) -> None:
