@@ -1,4 +1,3 @@
-import importlib
 import json
 import os
 import pathlib
@@ -20,12 +19,9 @@ def _persistent_compilation_cache() -> None:
   ``off``. Set through ``jax.config``, not the environment: a subprocess a test
   starts compiles without it unless the test gives it a cache of its own
   (``helpers.compilation_cache_env``). The size limit turns on the cache's file
-  lock, which the xdist workers need to share it. JAX compresses its entries with
-  zstd where it can import it (the test extra installs ``zstandard``), else with
-  zlib, and a zlib entry read with zstd is an error: each compressor has its own
-  default directory."""
+  lock, which the xdist workers need to share it."""
   path = os.environ.get("JAXAMP_TEST_COMPILATION_CACHE") or os.path.join(
-    tempfile.gettempdir(), f"jaxamp-test-compilation-cache-{os.getuid()}-{_compressor()}"
+    tempfile.gettempdir(), f"jaxamp-test-compilation-cache-{os.getuid()}"
   )
   if path == "off":
     return
@@ -33,18 +29,6 @@ def _persistent_compilation_cache() -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_compilation_cache_max_size", 2**30)
   _evict_once_per_process()
-
-
-def _compressor() -> str:
-  """What JAX's persistent cache compresses with: as ``jax._src.compilation_cache``
-  chooses, Python 3.14's ``compression.zstd``, else ``zstandard``, else zlib."""
-  for module in ("compression.zstd", "zstandard"):
-    try:
-      importlib.import_module(module)
-    except ImportError:
-      continue
-    return "zstd"
-  return "zlib"
 
 
 def _evict_once_per_process() -> None:
