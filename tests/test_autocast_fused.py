@@ -199,6 +199,63 @@ def test_torch_cpu_lanes_is_the_vector_width_torch_dispatches_to_matches_torch()
   assert cpu_math.torch_cpu_lanes() == {"AVX2": 8, "AVX512": 16}.get(capability)
 
 
+def _every_half(half):
+  """Every value of the half dtype, by its bits: (jnp array, torch tensor)."""
+  torch = _torch()
+  bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.int16)
+  return jnp.asarray(bits).view(HALVES[half]), torch.from_numpy(bits.copy()).view(
+    getattr(torch, half)
+  )
+
+
+def _bits_equal_or_both_nan(ours, theirs):
+  ours = np.asarray(ours.astype(jnp.float32))
+  theirs = theirs.float().numpy()
+  return (ours.view(np.uint32) == theirs.view(np.uint32)) | (np.isnan(ours) & np.isnan(theirs))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("half", sorted(HALVES))
+def test_erf_gelu_of_every_half_value_as_torch_cpu_kernel_matches_torch(half, jit):
+  # torch runs oneDNN's kernel for bfloat16 on AVX-512 CPUs, its own elsewhere
+  # (jaxamp._autocast.erf_gelu); jaxamp computes the one torch runs on this
+  # machine, bit for bit but NaN payloads. Subnormal inputs are flushed to zero
+  # by XLA's CPU backend, as oneDNN's bfloat16 conversion does and torch's own
+  # kernel does not (docs/autocast.md, "GELU on AVX-512 CPUs").
+  torch = _torch()
+  x, t = _every_half(half)
+  gelu = jaxamp.autocast(lambda h: jax.nn.gelu(h, approximate=False), HALVES[half], policy="cpu")
+  ours = (jax.jit(gelu) if jit else gelu)(x)
+  equal = _bits_equal_or_both_nan(ours, torch.nn.functional.gelu(t))
+  xf = np.asarray(x.astype(jnp.float32))
+  subnormal = (xf != 0) & (np.abs(xf) < np.finfo(HALVES[half]).smallest_normal)
+  assert equal[~subnormal].all(), xf[~equal][:8]
+  from jaxamp._autocast import erf_gelu
+
+  if half == "bfloat16" and erf_gelu.runs_bfloat16_gelu():
+    assert equal.all(), xf[~equal][:8]
+
+
+@pytest.mark.torch
+def test_runs_bfloat16_gelu_is_where_torch_hands_gelu_to_onednn_matches_torch():
+  torch = _torch()
+  from jaxamp._autocast import erf_gelu
+
+  x = torch.full((2,), -5.0, dtype=torch.bfloat16)
+  torch.backends.mkldnn.enabled = False
+  try:
+    own = torch.nn.functional.gelu(x)
+  finally:
+    torch.backends.mkldnn.enabled = True
+  onednn = not torch.equal(torch.nn.functional.gelu(x), own)
+  # the two kernels differ at -5: -1.49e-06 (Abramowitz and Stegun) and -1.19e-06
+  assert erf_gelu.runs_bfloat16_gelu() == onednn
+  assert float(erf_gelu.onednn(jnp.float32(-5.0)).astype(jnp.bfloat16)) != float(
+    erf_gelu.vectorised(jnp.float32(-5.0)).astype(jnp.bfloat16)
+  )
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
 @pytest.mark.parametrize(

@@ -31,6 +31,21 @@ _AVX2 = frozenset({"avx2", "fma"})
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+  """The feature flags of this machine's x86 CPU (``/proc/cpuinfo``); empty on
+  another CPU or without ``/proc/cpuinfo``."""
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return frozenset()
+  try:
+    with open("/proc/cpuinfo") as f:
+      return frozenset(
+        next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+      )
+  except OSError:
+    return frozenset()
+
+
+@functools.cache
 def torch_cpu_lanes() -> int | None:
   """The float32 vector width of torch's CPU kernels on this machine: 16 where
   torch dispatches to AVX512, 8 for AVX2, None where it runs other code (no
@@ -39,19 +54,13 @@ def torch_cpu_lanes() -> int | None:
   chosen = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
   if chosen in ("avx512", "avx2", "default"):
     return {"avx512": 16, "avx2": 8}.get(chosen)
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    return None
-  try:
-    with open("/proc/cpuinfo") as f:
-      flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-  except OSError:
-    return None
-  if _AVX512 <= set(flags):
+  if _AVX512 <= cpu_flags():
     return 16
-  return 8 if _AVX2 <= set(flags) else None
+  return 8 if _AVX2 <= cpu_flags() else None
 
 
-def _bits(x: Any) -> Any:
+def bits(x: Any) -> Any:
+  """The bits of float32 ``x`` as int32."""
   return lax.bitcast_convert_type(x, jnp.int32)
 
 
@@ -71,8 +80,8 @@ def _two_prod(a: Any, b: Any) -> tuple[Any, Any]:
   halves are cut from the bits (12 significant bits each), so every partial
   product is exact and an FMA contraction of any of them changes nothing."""
   p = a * b
-  ah = _from_bits(_bits(a) & np.int32(-4096))
-  bh = _from_bits(_bits(b) & np.int32(-4096))
+  ah = _from_bits(bits(a) & np.int32(-4096))
+  bh = _from_bits(bits(b) & np.int32(-4096))
   al, bl = a - ah, b - bh
   return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
@@ -87,15 +96,17 @@ def _opaque(x: Any) -> Any:
 def fma(a: Any, b: Any, c: Any) -> Any:
   """``a * b + c`` rounded once, in float32 (Boldo and Melquiond's emulation:
   the product split exactly, its high part added to ``c`` exactly, the two low
-  parts added rounding to odd, then one rounding to nearest)."""
+  parts added rounding to odd, then one rounding to nearest); where ``a * b +
+  c`` is not finite, that (an infinite input's result)."""
   a, b, c = (_opaque(x) if np.ndim(x) == 0 else x for x in (a, b, c))
   uh, ul = _two_prod(a, b)
   th, tl = _two_sum(c, uh)
   vh, vl = _two_sum(tl, ul)
-  bits = _bits(vh)
+  vh_bits = bits(vh)
   away = jnp.where((vh < 0) == (vl < 0), np.int32(1), np.int32(-1))
-  v = jnp.where((vl != 0) & ((bits & 1) == 0), _from_bits(bits + away), vh)
-  return th + v
+  v = jnp.where((vl != 0) & ((vh_bits & 1) == 0), _from_bits(vh_bits + away), vh)
+  plain = a * b + c
+  return jnp.where(jnp.isfinite(plain), th + v, plain)
 
 
 def _pow2(q: Any) -> Any:
@@ -137,8 +148,8 @@ def _expf(d: Any) -> Any:
 def _logf(d: Any) -> Any:
   """SLEEF's ``xlogf_u1`` (1.0 ulp) for positive normal ``d``: ``e * log(2) +
   2 atanh(x)``, ``x = (m - 1) / (m + 1)`` in double-float arithmetic with FMAs."""
-  e = ((_bits(d * np.float32(1.0 / 0.75)) >> 23) & 0xFF) - 0x7F
-  m = _from_bits(_bits(d) - (e << 23))
+  e = ((bits(d * np.float32(1.0 / 0.75)) >> 23) & 0xFF) - 0x7F
+  m = _from_bits(bits(d) - (e << 23))
   ef = e.astype(jnp.float32)
   hi, lo = np.float32(0.69314718246459960938), np.float32(-1.904654323148236017e-09)
   sx = hi * ef

@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jaxamp._autocast import cpu_math
+from jaxamp._autocast import cpu_math, erf_gelu
 from jaxamp._autocast.policies import F32, FUSED_FUNCTIONS
 
 
@@ -137,16 +137,6 @@ def _unary(eqns: list[Any], read: Callable[[Any], Any], outs: tuple[Any, ...]) -
   return x if np.shape(x) == tuple(outs[0].aval.shape) else None
 
 
-def _erf_cpu(z: Any) -> Any:
-  """torch's CPU ``Vectorized<float>::erf``: Abramowitz and Stegun 7.1.26
-  (absolute error 1.5e-7), in float32."""
-  a = jnp.abs(z)
-  t = 1.0 / (0.3275911 * a + 1.0)
-  r = (((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592
-  e = 1.0 - (jnp.exp(-(z * z)) * t) * r
-  return jnp.where(z < 0, -e, e)
-
-
 def _tanh(u: Any) -> Any:
   """tanh in float32 as near correctly rounded as torch's (SLEEF's): near +-1,
   where GELU's ``1 + tanh`` cancels, it is ``1 - 2 / (exp(2|u|) + 1)``, whose
@@ -159,8 +149,9 @@ def _tanh(u: Any) -> Any:
 def _gelu_cpu(
   eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
 ) -> list[Any] | None:
-  """torch's CPU GELU kernel: ``0.5 * x * (1 + tanh(b * (x + k * x**3)))`` or
-  ``x * 0.5 * (1 + erf(x / sqrt(2)))`` in float32 with its ``tanh`` and ``erf``."""
+  """torch's CPU GELU kernel: ``0.5 * x * (1 + tanh(b * (x + k * x**3)))`` in
+  float32 with its ``tanh``, or the erf GELU torch runs for ``half`` inputs on this
+  machine (``erf_gelu``)."""
   x = _unary(eqns, read, outs)
   names = {eqn.primitive.name for eqn in _primitive_eqns(eqns)}
   if x is None:
@@ -170,7 +161,7 @@ def _gelu_cpu(
     beta, kappa = np.float32(math.sqrt(2.0 / math.pi)), np.float32(0.044715)
     return [0.5 * x * (1.0 + _tanh(beta * (x + kappa * (x * x * x))))]
   if names & {"erf", "erfc"}:
-    return [x * 0.5 * (1.0 + _erf_cpu(x * np.float32(math.sqrt(0.5))))]
+    return [erf_gelu.torch_cpu(x, half, np.size(x))]
   return None
 
 
