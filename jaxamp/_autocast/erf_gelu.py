@@ -139,9 +139,9 @@ def _onednn_jvp(primals: Any, tangents: Any) -> Any:
   return onednn(primals[0]), jax.jvp(vectorised, primals, tangents)[1]
 
 
-def torch_cpu(x: Any, dtype: Any, size: int) -> Any:
-  """The erf GELU of float32 ``x`` as torch's CPU ``gelu`` computes it for a
-  contiguous tensor of ``dtype`` and ``size`` elements on this machine."""
-  if np.dtype(dtype) == jnp.bfloat16 and size > 1 and runs_bfloat16_gelu():
+def torch_cpu(x: Any, dtype: Any) -> Any:
+  """The erf GELU of float32 ``x`` as torch's CPU ``gelu`` computes it on this
+  machine for a contiguous tensor of ``x``'s shape and ``dtype``."""
+  if np.dtype(dtype) == jnp.bfloat16 and np.size(x) > 1 and runs_bfloat16_gelu():
     return onednn(x)
   return vectorised(x)
