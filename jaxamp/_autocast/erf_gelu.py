@@ -73,7 +73,8 @@ _INDEX_BIAS = np.int32(np.uint32(0xC21FFFFF).view(np.int32))
 # about 5.5425, from where erf(x / sqrt(2)) is 1 in float32
 _RIGHT_BOUND = np.uint32(0x40B15CEE).view(np.float32)
 
-AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# oneDNN's avx512_core, on which torch hands a bfloat16 GELU to it
+_AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
 
 @functools.cache
@@ -81,7 +82,7 @@ def runs_bfloat16_gelu() -> bool:
   """Whether torch's CPU ``gelu`` of a bfloat16 tensor runs oneDNN's kernel on
   this machine: an x86 CPU with AVX-512 (oneDNN's ``avx512_core``), whatever
   ``ATEN_CPU_CAPABILITY`` says."""
-  return AVX512_CORE <= cpu_math.cpu_flags()
+  return _AVX512_CORE <= cpu_math.cpu_flags()
 
 
 def _erf_half_scale(x: Any) -> Any:
