@@ -35,7 +35,6 @@ from jaxamp._torch.schedules import advance_schedule_counts
 from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
 from jaxamp._validation import is_array_leaf, is_none
 from jaxamp._xla.fma_guard import rounded_unscaled
-from jaxamp._xla.in_place import apply_unless
 
 
 class Check(NamedTuple):
@@ -260,19 +259,6 @@ def iteration(
     zeros = jax.tree.map(zeros_of_type, updates_type)
     return typed_like(zeros, updates_type), typed_like(state, state_type)
 
-  if branch is not None or labels is not None or config.max_consecutive_skips is not None:
-    # A skipped step with labels still applies the finite groups; the skip
-    # limit's checkify cannot check an in-place loop that vmap batched.
-    found_inf = check.found_inf if branch is None else branch
-    out = apply_or_skip(found_inf, apply, skip, grads, inner_state, params)
-  else:
-    on_skip = advance_schedule_counts if config.schedule_counts == "iterations" else None
-    operands = (grads, inner_state, params)
-    out = apply_unless(
-      check.found_inf,
-      apply,
-      *operands,
-      conditional=lambda: apply_or_skip(check.found_inf, apply, skip, *operands),
-      on_skip=on_skip,
-    )
+  found_inf = check.found_inf if branch is None else branch
+  out = apply_or_skip(found_inf, apply, skip, grads, inner_state, params)
   return out, advance(core, check.found_inf, config, eager=eager)

@@ -57,17 +57,6 @@ def _evict_once_per_process() -> None:
 _persistent_compilation_cache()
 
 
-@pytest.fixture(autouse=True)
-def _in_place_loop_at_every_size(monkeypatch):
-  """The optax form's step is its in-place loop from 1 MiB of gradients and
-  inner state (``in_place.SMALL_BYTES``), and a ``lax.cond`` below; the tests'
-  trees are small, so each test runs the loop, the form real models take.
-  tests/test_scale_one_identity.py checks both forms at the real threshold."""
-  from jaxamp._xla import in_place
-
-  monkeypatch.setattr(in_place, "SMALL_BYTES", 0)
-
-
 @pytest.fixture(scope="session")
 def torch_fixtures():
   """The exact torch trajectories of ``shared/torch_reference/fixtures.json``."""

@@ -48,15 +48,13 @@ def test_grad_of_skipped_optax_form_step_is_that_of_the_unchanged_params(front_e
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_derivatives_of_jitted_step_through_in_place_loop(front_end, kind):
+def test_derivatives_of_jitted_step_equal_plain_optax(front_end, kind):
   """``jax.grad(jax.jit(step))``: the jitted step is traced before it is
-  differentiated, so it takes the in-place loop, which is differentiated as
-  the ``lax.cond`` that computes the same."""
+  differentiated."""
   rng = np.random.default_rng(0)
   params, grads, lr = _tree(rng), _tree(rng, 0.5), jnp.float32(0.1)
   cotangent, tangents = _tree(rng), (_tree(rng), _tree(rng), jnp.float32(0.5))
   ours = jax.jit(lambda p, g, lr: jaxamp_step(front_end, kind, 2.0**10, p, g, lr))
-  assert "while[" in str(jax.make_jaxpr(ours)(params, grads, lr))
 
   def theirs(p, g, lr):
     return plain_step(kind, p, g, lr)

@@ -258,33 +258,6 @@ def _mlp_loss(x):
   return loss
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule_counts", ["applied", "iterations"])
-def test_optax_form_in_a_whole_step_writes_its_updates_over_the_gradients(schedule_counts):
-  # In a step that computes its gradients, the optax form's updates take the
-  # gradients' buffer (a while loop's in-place carry), so its temporaries are
-  # no more than apply_scaled_updates', which applies them where it computes
-  # them. Behind a lax.cond they were a parameter-sized buffer more (1.13-1.22x
-  # the plain step at batch 1, BENCHMARKS.md, "In-place updates").
-  params = {"w1": jnp.full((384, 1536), 0.01), "w2": jnp.full((1536, 384), 0.01)}
-  loss = _mlp_loss(jnp.ones((16, 384), jnp.float16))
-  tx = jaxamp.dynamic_loss_scale(
-    optax.adam(optax.linear_schedule(1e-3, 0.0, 100)), schedule_counts=schedule_counts
-  )
-
-  def temp_bytes(step):
-    def whole_step(p, s):
-      return step(jax.grad(lambda p: loss(p) * s.loss_scale)(p), s, p)
-
-    jitted = jax.jit(whole_step, donate_argnums=(0, 1))
-    return jitted.lower(params, tx.init(params)).compile().memory_analysis().temp_size_in_bytes
-
-  # Within a leaf's size: the two differ by some scalars, and by what XLA
-  # schedules around them.
-  smallest_leaf = min(p.nbytes for p in params.values())
-  assert temp_bytes(_reference_step(tx)) < temp_bytes(_helper_step(tx)) + smallest_leaf
-
-
 def test_apply_scaled_updates_with_disabled_scaler_is_plain_update():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.5), enabled=False)
   params = {"w": jnp.ones(2)}
@@ -394,26 +367,3 @@ def test_float16_gradients_are_unscaled_without_an_integer_guard_on_cpu(front_en
 
   assert re.search(r"= s32\[[0-9,]*\]\{[0-9,]*\} xor\(", hlo(jnp.float32))
   assert not re.search(r"= s16\[[0-9,]*\]\{[0-9,]*\} xor\(", hlo(jnp.float16))
-
-
-def _scalars_carried_by_the_loop(leaves: int) -> int:
-  params = [jnp.ones((8, 4)) for _ in range(leaves)]
-  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
-
-  def whole_step(p, s):
-    loss = lambda p: s.loss_scale * sum(jnp.sum(jnp.tanh(x)) for x in p)
-    return _reference_step(tx)(jax.grad(loss)(p), s, p)
-
-  hlo = jax.jit(whole_step, donate_argnums=(0, 1)).lower(params, tx.init(params)).compile()
-  (carried,) = re.findall(r"= \((.*)\) while\(", hlo.as_text())
-  return len(re.findall(r"(?:pred|s32|f32)\[\]", carried))
-
-
-@pytest.mark.slow
-@needs_workaround("in_place")
-def test_the_optax_form_loop_carries_no_scalar_per_leaf():
-  # Each leaf's unscale once compared 1 / scale with 1 itself, and XLA carried
-  # every copy of that comparison through the step's loop: 649 operands for
-  # ResNet-50's 161 leaves instead of 489, each one more for XLA's passes to
-  # compile (BENCHMARKS.md, "Compile time").
-  assert _scalars_carried_by_the_loop(3) == _scalars_carried_by_the_loop(30)

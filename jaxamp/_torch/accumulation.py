@@ -12,7 +12,6 @@ import optax
 from jaxamp import _engine as engine
 from jaxamp._distributed import zeros_of_type
 from jaxamp._validation import is_none, zeros_like_arrays
-from jaxamp._xla.in_place import cond_around_loops
 
 
 class AccumulateGradientsState(NamedTuple):
@@ -57,8 +56,7 @@ def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
 def at_window_end(state: AccumulateGradientsState, every_k: int, end, hold, *operands: Any):
   """``end(*operands)`` on a window's last call, else ``hold(*operands)``: the
   one place a window is closed (the optax form and ``apply_scaled_updates``)."""
-  ends = window_ends(state, every_k)
-  return cond_around_loops(ends, end, hold, *operands, cond=engine.cond)
+  return engine.cond(window_ends(state, every_k), end, hold, *operands)
 
 
 def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):

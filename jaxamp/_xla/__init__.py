@@ -7,10 +7,6 @@ and each has a plain form, used when it is turned off:
 
 - ``layout``: gradients constrained to row-major on XLA CPU, so no kernel copies
   them a second time (BENCHMARKS.md, "Gradient layout"). Off: as given.
-- ``in_place``: the applied-or-skipped step of ``in_place.SMALL_BYTES`` or
-  more as a loop of zero or one trip, whose carry XLA updates in place,
-  differentiated as its ``lax.cond`` (BENCHMARKS.md, "In-place updates").
-  Off: ``lax.cond``.
 - ``fma_guard``: unscaled gradients and updates kept rounded as torch
   materialises them, by XOR-ing their bits with a zero XLA cannot see, which
   costs no memory pass (BENCHMARKS.md, "FMA guard"). It has no plain form and
@@ -34,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-WORKAROUNDS = ("layout", "in_place", "compile_cache", "platform")  # can be turned off
+WORKAROUNDS = ("layout", "compile_cache", "platform")  # can be turned off
 
 
 def _read_off(value: str) -> frozenset[str]:
