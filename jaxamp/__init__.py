@@ -11,8 +11,8 @@ from jaxamp._frontends.grad_scaler import GradScaler
 from jaxamp._frontends.optimizer import Optimizer
 from jaxamp._frontends.state_access import get_loss_scale, scale_loss
 from jaxamp._frontends.transform import DynamicLossScaleState, dynamic_loss_scale
-from jaxamp._torch.accumulation import AccumulateGradientsState, accumulate_gradients
-from jaxamp._torch.checkpoint import load_state_dict, state_dict
+from jaxamp._frontends.accumulation import AccumulateGradientsState, accumulate_gradients
+from jaxamp._frontends.checkpoint import load_state_dict, state_dict
 from jaxamp._torch.clipping import clip_grad_norm
 
 __version__ = "0.2.0"

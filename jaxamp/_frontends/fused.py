@@ -14,7 +14,7 @@ from jaxamp._frontends.state_access import (
   is_loss_scale_state,
 )
 from jaxamp._frontends.transform import CheckedState, DynamicLossScaleState, core_of
-from jaxamp._torch.accumulation import (
+from jaxamp._frontends.accumulation import (
   AccumulateGradients,
   AccumulateGradientsState,
   accumulated,

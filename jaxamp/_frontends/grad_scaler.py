@@ -34,7 +34,7 @@ from jaxamp._config import (
   with_options,
 )
 from jaxamp._frontends.optimizer import Optimizer, per_param_leaf, updated
-from jaxamp._torch.checkpoint import STATE_DICT_KEYS, check_state_dict
+from jaxamp._frontends.checkpoint import STATE_DICT_KEYS, check_state_dict
 from jaxamp._torch.core import (
   LossScaleCore,
   advance,

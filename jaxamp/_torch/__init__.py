@@ -1,3 +1,3 @@
 """torch's semantics, readable beside torch's source: the scale rule, exact
-unscaling, the inf/NaN check, clipping, accumulation, schedules, several
-optimizers, and the ``state_dict`` format. Plain JAX: no compiler workaround."""
+unscaling, the inf/NaN check, clipping, schedules and several optimizers. Plain
+JAX: no compiler workaround, and nothing imported from the modules above it."""
