@@ -1,8 +1,9 @@
-"""One torch iteration for a tree of gradients: check, apply or skip, advance the scale.
+"""One torch iteration for a tree of gradients: check, then apply or skip.
 
-Every front-end runs its steps through this module, and no other module
-decides between applying and skipping. It is torch's ``GradScaler`` iteration
-(docs/torch_semantics.md)::
+Every front-end runs its steps through this module: :func:`apply_or_skip` is
+the one conditional of a step, and :func:`skipped_state` what a skip leaves.
+It is torch's ``GradScaler`` iteration (docs/torch_semantics.md); the caller
+then advances the scale once (``jaxamp._torch.core.advance``)::
 
   nonfinite = [not all(isfinite(g)) for g in grads]   # the still-scaled grads
   found_inf = any(nonfinite)                          # all-reduced over axis_name
@@ -29,7 +30,6 @@ from jax import lax
 
 from jaxamp._config import LossScaleConfig
 from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
-from jaxamp._torch.core import LossScaleCore, advance
 from jaxamp._torch.groups import skipped_leaves
 from jaxamp._torch.schedules import advance_schedule_counts
 from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
@@ -212,7 +212,7 @@ def keep_skipped_params(
 
 
 def iteration(
-  core: LossScaleCore,
+  loss_scale: jax.Array,
   config: LossScaleConfig,
   check: Check,
   update: Callable[[Any, Any, Any], tuple[Any, Any]],
@@ -222,28 +222,27 @@ def iteration(
   *,
   labels: list | None = None,
   branch: bool | None = None,
-  eager: bool = False,
-) -> tuple[tuple[Any, Any], LossScaleCore]:
-  """One torch iteration: ``((updates, inner_state), core)`` after ``update``
-  (the inner optimizer's ``update(unscaled, inner_state, params)``) is applied
-  to the unscaled ``grads``, or skipped.
+) -> tuple[Any, Any]:
+  """One torch iteration's apply-or-skip: ``(updates, inner_state)`` after
+  ``update`` (the inner optimizer's ``update(unscaled, inner_state, params)``)
+  is applied to the unscaled ``grads``, or skipped. The caller advances the
+  scale once, on the found_inf of every group its iteration stepped
+  (:func:`jaxamp._torch.core.advance`).
 
   ``labels`` (one per gradient leaf) skip each group on its own inf/NaN.
   ``branch`` is the caller's found_inf when it runs this inside its own branch
   (``apply_scaled_updates``); a skipped one then returns zeros like ``grads``
-  and the inner state untyped, for the caller to type as its applied branch. ``eager``: outside ``jit`` the caller checks the
-  skip limit after this, before it stores anything.
+  and the inner state untyped, for the caller to type as its applied branch.
   """
-
   if branch is None:
     # Unscaled before the branch, the optimizer compiles as a computation of
     # its own, as ``jax.jit(tx.update)`` does: the same arithmetic, bit for bit.
-    grads = unscaled(grads, check, core.loss_scale)
+    grads = unscaled(grads, check, loss_scale)
     apply, output_types = with_output_types(update)
   else:  # inside the caller's fused branch: unscaled there, fused with the update
 
     def unscaled_update(grads, inner_state, params):
-      return update(unscaled(grads, check, core.loss_scale), inner_state, params)
+      return update(unscaled(grads, check, loss_scale), inner_state, params)
 
     apply, output_types = with_output_types(unscaled_update)
 
@@ -260,5 +259,4 @@ def iteration(
     return typed_like(zeros, updates_type), typed_like(state, state_type)
 
   found_inf = check.found_inf if branch is None else branch
-  out = apply_or_skip(found_inf, apply, skip, grads, inner_state, params)
-  return out, advance(core, check.found_inf, config, eager=eager)
+  return apply_or_skip(found_inf, apply, skip, grads, inner_state, params)

@@ -113,11 +113,9 @@ def _update(static, grads, state, params, extra_args, checked, injected):
     return inner.update(unscaled, inner_state, params, **extra_args)
 
   pending = state.stepped_groups.labels
-  shared = bool(pending) or not update_scale  # other groups' steps share this advance
-  eager = eager or bool(checked and checked.eager)
-  (updates, inner_state), core = engine.iteration(
-    core_of(state),
-    config.replace(max_consecutive_skips=None) if shared else config,
+  updates, inner_state = engine.iteration(
+    state.loss_scale,
+    config,
     check,
     update,
     grads,
@@ -125,18 +123,18 @@ def _update(static, grads, state, params, extra_args, checked, injected):
     params,
     labels=labels,
     branch=None if checked is None else checked.found_inf,
-    eager=eager,
   )
-  # torch's update() advances once on the found_inf of every optimizer
-  # stepped since the last one; each group above skipped on its own.
-  found_before = state.found_inf if pending else jnp.zeros([], bool)
-  found_inf = found_before | check.found_inf
-  if shared and update_scale:
+  # torch's update() advances the scale once, on the found_inf of every
+  # optimizer stepped since the last one; each group above skipped on its own.
+  found_inf = state.found_inf | check.found_inf if pending else check.found_inf
+  eager = eager or bool(checked and checked.eager)
+  if update_scale:
     core = advance(core_of(state), found_inf, config, eager=eager)
-  elif shared:
+  else:
     core = core_of(state)._replace(found_inf=found_inf)
   nonfinite = set_flags(state.nonfinite_leaves, slots, check.nonfinite)
-  nonfinite = nonfinite | (state.nonfinite_leaves & found_before)
+  if pending:  # the flags of the groups stepped before this one, in this iteration
+    nonfinite = nonfinite | (state.nonfinite_leaves & state.found_inf)
   nonfinite = jnp.where(found_inf, nonfinite, state.nonfinite_leaves)
   stepped = SteppedGroups(() if update_scale else (*pending, *stepping))
   return updates, state._replace(
