@@ -57,6 +57,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     "as NAME_steps.png (default: %(default)s)",
   )
   parser.add_argument("--no-png", action="store_true", help="do not draw the pictures")
+  parser.add_argument(
+    "--docs",
+    metavar="PATH",
+    type=pathlib.Path,
+    help="rewrite the latest-report section of this Markdown file (docs/parity.md) with "
+    "the table, where it ran and the largest differences; needs a run of every scenario",
+  )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser.parse_args(argv)
 
@@ -87,6 +94,20 @@ def _check_writable(path: pathlib.Path, what: str) -> None:
 def _steps_png(path: pathlib.Path) -> pathlib.Path:
   """Where report.write_png puts the per-step panels (report imports torch)."""
   return path.with_name(f"{path.stem}_steps{path.suffix}")
+
+
+def _check_docs(args: argparse.Namespace, selected: list) -> None:
+  """The docs' latest report shows every run: refuse a partial one, and a file
+  without the section's markers, before minutes of running."""
+  from parity import report
+
+  if args.scenario or args.api != "all":
+    raise BadInput("--docs writes the report of every run: leave out --scenario and --api.")
+  _check_writable(args.docs, "latest report")
+  try:
+    report.check_docs(args.docs)
+  except (OSError, ValueError) as error:
+    raise BadInput(str(error)) from None
 
 
 def _select(names: list[str] | None, registry: dict) -> list:
@@ -143,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
       _check_writable(_steps_png(args.png), "PNG of the per-step differences")
     if args.json is not None:
       _check_writable(args.json, "JSON results")
+    if args.docs is not None:
+      _check_docs(args, selected)
     return _run(args, selected)
   except BadInput as error:
     print(f"parity: {error}", file=sys.stderr)
@@ -191,6 +214,9 @@ def _run(args, selected) -> int:
     if not args.no_png:
       summary, steps = report.write_png(results, args.png)
       print(f"summary written to {summary}, per-step differences to {steps}")
+    if args.docs is not None:
+      report.write_docs(results, args.docs, report.environment())
+      print(f"latest report written to {args.docs}")
   except OSError as error:
     raise BadInput(f"cannot write the output: {error}") from None
   return 0 if all(r.passed for r in results) else 1

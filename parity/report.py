@@ -1,9 +1,12 @@
-"""The parity report: a text table, a JSON file and a PNG of the curves."""
+"""The parity report: a text table, a JSON file, a PNG of the curves, and the
+"latest report" section of docs/parity.md."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import pathlib
 
 from parity.engine import Result
@@ -21,8 +24,12 @@ def _unscale_mark(r: Result) -> str:
   return _mark(r.unscale_bits_match)
 
 
+def _value(value: float) -> str:
+  return f"{value:.1e}" if math.isfinite(value) else "inf"
+
+
 def _diff(value: float, tolerance: float) -> str:
-  return f"{value:.1e} / {tolerance:.0e}" if math.isfinite(value) else f"inf / {tolerance:.0e}"
+  return f"{_value(value)} / {tolerance:.0e}"
 
 
 def table(results: list[Result]) -> str:
@@ -135,6 +142,12 @@ def write_png(results: list[Result], path: pathlib.Path) -> list[pathlib.Path]:
   return [path, steps_path]
 
 
+def png_metadata(grouped: dict[str, list[Result]]) -> dict[str, str]:
+  """A PNG text chunk naming the scenarios drawn, so that a test can tell a
+  picture that lacks one (tests/test_doc_figures.py reads docs/parity*.png)."""
+  return {"Description": "parity scenarios: " + " ".join(grouped)}
+
+
 def _by_scenario(results: list[Result]) -> dict[str, list[Result]]:
   grouped: dict[str, list[Result]] = {}
   for r in results:
@@ -240,7 +253,7 @@ def _write_summary(results: list[Result], path: pathlib.Path) -> None:
   fig.subplots_adjust(
     left=0.01, right=0.99, top=1 - 1.2 / (1.6 + 0.24 * n), bottom=0.35 / (1.6 + 0.24 * n)
   )
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=90, metadata=png_metadata(grouped))
   plt.close(fig)
 
 
@@ -324,5 +337,91 @@ def _write_steps(results: list[Result], path: pathlib.Path) -> None:
     y=1 - 0.02 / (0.6 + 2.1 * rows),
   )
   fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (0.6 + 2.1 * rows)), h_pad=1.2)
-  fig.savefig(path, dpi=72)
+  fig.savefig(path, dpi=72, metadata=png_metadata(grouped))
   plt.close(fig)
+
+
+# The section of docs/parity.md between these lines is written by
+# `python -m parity --docs docs/parity.md`; everything outside them is left as it is.
+DOCS_BEGIN = "<!-- latest report: written by python -m parity --docs; do not edit by hand -->"
+DOCS_END = "<!-- end of the latest report -->"
+
+
+def environment() -> str:
+  """Where a report ran: date, cores, load, jax and torch versions (for docs/parity.md)."""
+  import jax
+  import torch
+
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+  return (
+    f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPU cores, load average "
+    f"{load:.1f} at the end, jax {jax.__version__} {jax.default_backend().upper()}, "
+    f"torch {torch.__version__}"
+  )
+
+
+def _tolerance_rows(results: list[Result]) -> list[str]:
+  """Per pair of tolerances: the scenarios under it and their largest differences."""
+  groups: dict[tuple[float, float], list[Result]] = {}
+  for r in results:
+    groups.setdefault((r.param_rtol, r.state_rtol), []).append(r)
+  rows = [
+    "| tolerance: parameters / states | scenarios | largest difference: parameters / states |",
+    "|---|---|---|",
+  ]
+  for (param_rtol, state_rtol), runs in sorted(groups.items()):
+    names = list(dict.fromkeys(r.scenario for r in runs))
+    named = ", ".join(f"`{n}`" for n in names) if len(names) <= 3 else f"{len(names)} scenarios"
+    param = max(r.max_param_diff for r in runs)
+    state = max(r.max_state_diff for r in runs)
+    rows.append(
+      f"| {param_rtol:.0e} / {state_rtol:.0e} | {named} | {_value(param)} / {_value(state)} |"
+    )
+  return rows
+
+
+def docs_section(results: list[Result], where: str) -> str:
+  """The "latest report" of docs/parity.md, markers included: how and where it
+  ran, the table as printed, and the largest differences per tolerance."""
+  seconds = sum(r.seconds for r in results)
+  scenarios = len({r.scenario for r in results})
+  lines = [
+    DOCS_BEGIN,
+    "",
+    (
+      "Written by `python -m parity --png docs/parity.png --docs docs/parity.md` on "
+      f"{where}: {scenarios} scenarios, {len(results)} runs in {seconds:.0f} s. The "
+      "table is what it prints; it drew the two pictures below."
+    ),
+    "",
+    "```text",
+    table(results),
+    f"{len(results)} runs in {seconds:.0f} s.",
+    "```",
+    "",
+    "The largest difference from torch over every step and tensor, per tolerance:",
+    "",
+    *_tolerance_rows(results),
+    "",
+    DOCS_END,
+  ]
+  return "\n".join(lines)
+
+
+def check_docs(path: pathlib.Path) -> None:
+  """Raises ``ValueError`` unless ``path`` has the section's two markers, in order."""
+  text = path.read_text()
+  begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+  if begin < 0 or end < begin:
+    raise ValueError(
+      f"{path} has no latest-report section: put the lines {DOCS_BEGIN!r} and "
+      f"{DOCS_END!r} where the report is to go."
+    )
+
+
+def write_docs(results: list[Result], path: pathlib.Path, where: str) -> None:
+  """Replaces the section between the markers in ``path`` (see :func:`check_docs`)."""
+  check_docs(path)
+  text = path.read_text()
+  begin, end = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+  path.write_text(text[:begin] + docs_section(results, where) + text[end:])

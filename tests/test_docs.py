@@ -4,7 +4,8 @@ Most documents are run by the tests next to their subject (COVERED_ELSEWHERE);
 this file runs the others, in order, one namespace per document (a reader pastes
 them into one session), and checks that no document with a python block is left
 out. A block that cannot run as written (torch and jaxamp side by side, a
-fragment) is a ```text block.
+fragment) is a ```text block. A python block followed by a paragraph ending in
+"prints:" and a ```text block must print that text.
 """
 
 import pathlib
@@ -39,6 +40,16 @@ def python_blocks(path):
   return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.DOTALL | re.MULTILINE)
 
 
+def shown_outputs(path):
+  """Per python block of ``path``: the ```text block that a paragraph ending in
+  "prints:" shows right after it, or None."""
+  pattern = r"^```python\n.*?^```\n(?:\n(?:(?!```)[^\n]*\n)*?[^\n]*prints:\n\n```text\n(.*?)^```)?"
+  return [
+    match.group(1)
+    for match in re.finditer(pattern, path.read_text(), flags=re.DOTALL | re.MULTILINE)
+  ]
+
+
 def test_docs_every_python_block_is_run_by_a_test():
   documents = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
   with_python = {str(p.relative_to(ROOT)) for p in documents if python_blocks(p)}
@@ -51,15 +62,55 @@ def test_docs_every_python_block_is_run_by_a_test():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUN_HERE)
-def test_docs_python_blocks_run_in_order(name):
+def test_docs_python_blocks_run_in_order(name, capsys):
   pytest.importorskip("flax")
   path = ROOT / name
-  blocks = python_blocks(path)
+  blocks, outputs = python_blocks(path), shown_outputs(path)
   assert blocks, f"{name} has no python block"
+  assert len(outputs) == len(blocks)
   namespace = {"__name__": f"docs_{path.stem}"}
-  for number, block in enumerate(blocks, 1):
+  for number, (block, shown) in enumerate(zip(blocks, outputs), 1):
+    capsys.readouterr()
     # Running the documented code as written is the test.
     exec(compile(block, f"{name} (python block {number})", "exec"), namespace)  # noqa: S102
+    if shown is not None:
+      printed = capsys.readouterr().out
+      assert printed == shown, f"{name}, python block {number}, shows another output than it prints"
+
+
+def test_docs_quickstart_states_what_each_block_prints():
+  outputs = shown_outputs(DOCS / "quickstart.md")
+  assert len(outputs) == len(python_blocks(DOCS / "quickstart.md")) == 2
+  assert all(outputs), "a quickstart block prints something the page does not show"
+  # The NNX step: one clean step at torch's initial scale, which it keeps.
+  assert outputs[1].endswith(", scale 65536\n"), outputs[1]
+
+
+def _table_after(text: str, header: str) -> list[list[str]]:
+  """The rows of the Markdown table whose header line is ``header``, as cells."""
+  lines = text[text.index(header) :].splitlines()[2:]
+  rows = []
+  for line in lines:
+    if not line.startswith("|"):
+      break
+    rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+  return rows
+
+
+def test_docs_grad_scaler_api_table_lists_every_public_name():
+  import jaxamp
+
+  rows = _table_after((DOCS / "grad_scaler.md").read_text(), "| torch | jaxamp |")
+  spans = [span for _, jaxamp_column in rows for span in re.findall(r"`([^`]+)`", jaxamp_column)]
+  words = {word for span in spans for word in re.findall(r"[A-Za-z_]\w*", span)}
+  public = {name for name in dir(jaxamp.GradScaler) if not name.startswith("_")}
+  assert public, "GradScaler has public names"
+  missing = sorted(public - words)
+  assert not missing, f"docs/grad_scaler.md's table lacks GradScaler.{missing}"
+  # and every scaler.NAME the table shows exists
+  shown = {name for span in spans for name in re.findall(r"\bscaler\.([A-Za-z_]\w*)", span)}
+  unknown = sorted(shown - set(dir(jaxamp.GradScaler)))
+  assert not unknown, f"docs/grad_scaler.md's table shows GradScaler.{unknown}, which it lacks"
 
 
 def test_docs_readme_links_resolve_and_it_stays_short():

@@ -1,12 +1,20 @@
-"""The examples run end to end, briefly (CI-sized)."""
+"""The examples run end to end, briefly (CI-sized), and their extra installs what they import."""
 
+import ast
 import importlib
+import importlib.metadata
 import pathlib
+import sys
+import tomllib
 
 import numpy as np
 import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -82,12 +90,93 @@ def _python_blocks(markdown):
 
 
 def test_docs_flax_code_blocks_run(capsys):
-  docs = (EXAMPLES.parent / "docs" / "flax.md").read_text()
+  docs = (ROOT / "docs" / "flax.md").read_text()
   blocks = _python_blocks(docs)
-  assert len(blocks) == 3
+  assert len(blocks) == 4
+  printed = []
   for block in blocks:
     # Running the documented code as written is the test.
     exec(compile(block, "docs/flax.md", "exec"), {})  # noqa: S102
-  printed = capsys.readouterr().out.split("\n")
-  # each loop prints "<loss> 65536.0 0": three steps at the default scale, none skipped
-  assert [line.split()[1:] for line in printed if line] == [["65536.0", "0"]] * 2
+    printed.append(capsys.readouterr().out)
+  # the NNX and linen loops print "<loss> 65536.0 0": three steps at the default scale, none skipped
+  assert [out.split()[1:] for out in printed[1:3]] == [["65536.0", "0"]] * 2
+  # the restored checkpoint: 1024 halved by the skipped step (torch's backoff 0.5),
+  # then one clean step of torch's default interval
+  restored = ast.literal_eval(printed[3])
+  assert restored == {
+    "scale": 512.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "_growth_tracker": 1,
+  }
+  assert f"```text\n{printed[3]}```" in docs, "the page shows another output than it prints"
+
+
+def _requirements(extra: str | None = None) -> list[Requirement]:
+  """pyproject.toml's requirements: the core ones, or those of ``extra``."""
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  lines = project["optional-dependencies"][extra] if extra else project["dependencies"]
+  return [Requirement(line) for line in lines]
+
+
+def _installed_closure(requirements: list[Requirement]) -> set[str]:
+  """The distributions these requirements install, read from the installed
+  packages' metadata (no network): each one's own requirements, markers
+  evaluated for this interpreter with no extra selected."""
+  environment = {**default_environment(), "extra": ""}
+  seen: set[str] = set()
+  pending = [r for r in requirements if r.marker is None or r.marker.evaluate(environment)]
+  while pending:
+    requirement = pending.pop()
+    name = canonicalize_name(requirement.name)
+    if name in seen:
+      continue
+    seen.add(name)
+    try:
+      requires = importlib.metadata.requires(requirement.name) or []
+    except importlib.metadata.PackageNotFoundError:
+      pytest.fail(f"{requirement.name} is not installed: install the test extra to run this test")
+    for line in requires:
+      child = Requirement(line)
+      if child.marker is None or child.marker.evaluate(environment):
+        pending.append(child)
+  return seen
+
+
+def test_examples_extra_does_not_pull_torch():
+  examples = _requirements("examples")
+  assert "torch" not in {canonicalize_name(r.name) for r in examples}
+  closure = _installed_closure(examples)
+  assert {"flax", "equinox", "scikit-learn"} <= closure  # the walk follows requirements
+  assert not {name for name in closure if name.startswith("torch")}, sorted(closure)
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+  modules = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      modules.update(alias.name.split(".")[0] for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      modules.add(node.module.split(".")[0])
+  return modules
+
+
+def test_examples_extra_installs_what_the_examples_import():
+  files = sorted(EXAMPLES.rglob("*.py"))
+  local = {path.stem for path in files}  # examples/_digits.py, examples/nanogpt/model.py
+  third_party = {
+    module
+    for path in files
+    for module in _imported_modules(path)
+    if module not in sys.stdlib_module_names and module not in local and module != "jaxamp"
+  }
+  assert {"flax", "equinox", "sklearn", "matplotlib", "tqdm"} <= third_party
+  provided = {canonicalize_name(r.name) for r in _requirements() + _requirements("examples")}
+  distributions = importlib.metadata.packages_distributions()
+  missing = {
+    module
+    for module in third_party
+    if not {canonicalize_name(d) for d in distributions.get(module, [])} & provided
+  }
+  assert not missing, f"examples/ imports {sorted(missing)}, which the examples extra lacks"
