@@ -6,13 +6,13 @@ the Flax helpers in :mod:`jaxamp.flax_utils`.
 
 from jaxamp import ops
 from jaxamp._autocast import autocast, autocast_disabled
+from jaxamp._frontends.accumulation import AccumulateGradientsState, accumulate_gradients
+from jaxamp._frontends.checkpoint import load_state_dict, state_dict
 from jaxamp._frontends.fused import apply_scaled_updates
 from jaxamp._frontends.grad_scaler import GradScaler
 from jaxamp._frontends.optimizer import Optimizer
 from jaxamp._frontends.state_access import get_loss_scale, scale_loss
 from jaxamp._frontends.transform import DynamicLossScaleState, dynamic_loss_scale
-from jaxamp._frontends.accumulation import AccumulateGradientsState, accumulate_gradients
-from jaxamp._frontends.checkpoint import load_state_dict, state_dict
 from jaxamp._torch.clipping import clip_grad_norm
 
 __version__ = "0.2.0"
@@ -34,3 +34,13 @@ __all__ = [
   "scale_loss",
   "state_dict",
 ]
+
+
+def __getattr__(name: str) -> object:
+  # The primitives were top-level names before 0.2; an old import names the new one.
+  if name in ops.__all__:
+    raise AttributeError(
+      f"jaxamp.{name} moved to jaxamp.ops.{name} in 0.2.0: use jaxamp.ops.{name} "
+      f"(from jaxamp.ops import {name})."
+    )
+  raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")

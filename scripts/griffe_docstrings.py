@@ -6,9 +6,6 @@ for reading in a terminal and for Sphinx-style tools, rendered as Markdown.
   resolved by mkdocs-autorefs); a bare name is looked up in ``jaxamp``.
 - reStructuredText literal blocks (a paragraph ending in ``::`` and an indented
   block) become fenced code blocks.
-- The options that ``jaxamp._config.with_options`` gives a front-end at import
-  time (its ``**options`` and the ``{options}`` line of its docstring) are
-  written out from ``LossScaleConfig``'s fields, read from the source.
 - A page of the docs named by its path in the repository (``docs/speed.md``, a
   reader of ``help()`` has no site), with a section (``docs/x.md §3.2``,
   ``docs/x.md, "Section"``) or not, becomes a relative link from the API pages
@@ -91,48 +88,6 @@ def _literal_blocks(text: str) -> str:
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _options() -> dict[str, tuple[str, str, str]]:
-  """``LossScaleConfig``'s fields, read from the source: name -> (default,
-  annotation, doc), in order."""
-  tree = ast.parse((ROOT / "jaxamp" / "_config.py").read_text())
-  config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LossScaleConfig")
-  options = {}
-  for node in config.body:
-    if isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Call):
-      keywords = {k.arg: k.value for k in node.value.keywords}
-      annotation, doc = map(ast.literal_eval, keywords["metadata"].args)
-      options[node.target.id] = (ast.unparse(keywords["default"]), annotation, doc)
-  return options
-
-
-def _with_options(decorators: list[Any]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-  """``(positional, exclude)`` of a ``with_options(...)`` decorator, if there is one."""
-  for decorator in decorators:
-    call = ast.parse(str(decorator.value), mode="eval").body
-    if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("with_options"):
-      given = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-      return tuple(given.get("positional", ())), tuple(given.get("exclude", ()))
-  return None
-
-
-def _entries(doc: str, names: list[str], options: dict) -> str:
-  marker = next(line for line in doc.split("\n") if line.strip() == "{options}")
-  indent = marker[: len(marker) - len(marker.lstrip())]
-  entries = [f"{indent}{name}: {options[name][2]}" for name in names]
-  return doc.replace(marker, "\n".join(entries))
-
-
-def _parameters(function: griffe.Function, names, positional, options) -> None:
-  kept = [p for p in function.parameters if p.kind is not griffe.ParameterKind.var_keyword]
-  for name in names:
-    default, annotation, _ = options[name]
-    kind = griffe.ParameterKind.keyword_only
-    if name in positional:
-      kind = griffe.ParameterKind.positional_or_keyword
-    kept.append(griffe.Parameter(name, annotation=annotation, kind=kind, default=default))
-  function.parameters = griffe.Parameters(*kept)
-
-
 DOCS_PAGE = re.compile(
   r"(``)?docs/(?P<page>[\w/]+)\.md(?(1)``)"
   r"(?P<section> ?§ ?(?P<number>\d+(?:\.\d+)?)|, (?P<quote>[\"'])(?P<name>[^\"'\n]+)(?P=quote))?"
@@ -187,25 +142,9 @@ class SphinxToMarkdown(griffe.Extension):
 
   def __init__(self) -> None:
     self.public = _public()
-    self.options = _options()
 
   def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-    self._write_options(obj)
     if obj.docstring is None:
       return
     value = ROLE.sub(lambda m: _role(m, self.public), obj.docstring.value)
     obj.docstring.value = _link_docs_pages(_literal_blocks(value))
-
-  def _write_options(self, obj: griffe.Object) -> None:
-    # A decorated function, or a decorated class (its docstring) and its __init__.
-    owner = obj.parent if obj.name == "__init__" else obj
-    given = _with_options(getattr(owner, "decorators", []))
-    if given is None:
-      return
-    positional, exclude = given
-    names = [*positional, *(n for n in self.options if n not in positional)]
-    names = [n for n in names if n not in exclude]
-    if obj is owner and obj.docstring is not None:
-      obj.docstring.value = _entries(obj.docstring.value, names, self.options)
-    if isinstance(obj, griffe.Function):
-      _parameters(obj, names, positional, self.options)

@@ -705,9 +705,62 @@ def test_grad_scaler_constructor_validates():
     jaxamp.GradScaler(backoff_factor=1.0)
   with pytest.raises(ValueError, match="without overflow"):
     jaxamp.GradScaler(init_scale=1e39)
-  with pytest.raises(TypeError, match="no device argument"):
-    jaxamp.GradScaler("cuda")
+  with pytest.raises(TypeError, match='device must be a string such as "cuda"'):
+    jaxamp.GradScaler(device=None)
+  with pytest.raises(TypeError, match=r"GradScaler\(\): too many positional arguments"):
+    jaxamp.GradScaler(2.0**16, 2.0, 0.5, 2000, True, 2.0)  # torch.cuda.amp's form: five
   jaxamp.GradScaler(growth_factor=0.5, enabled=False)  # as torch: not validated when disabled
+
+
+def _scales_of_a_torch_loop(scaler, flags):
+  """The scales after each iteration of a one-parameter SGD loop, inf injected on the flags."""
+  p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+  opt, scales = torch.optim.SGD([p], lr=0.1), []
+  for flag in flags:
+    opt.zero_grad()
+    scaler.scale((p * p).sum()).backward()
+    if flag:
+      p.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    scales.append(scaler.get_scale())
+  return scales, p.detach().tolist()
+
+
+def _scales_of_a_jaxamp_loop(scaler, flags):
+  opt, scales = jaxamp.Optimizer(optax.sgd(0.1), {"p": jnp.array([1.0, 2.0])}), []
+  for flag in flags:
+    opt.grads = jax.grad(lambda q: scaler.scale(jnp.sum(q["p"] * q["p"])))(opt.params)
+    if flag:
+      opt.grads = {"p": opt.grads["p"].at[0].set(jnp.inf)}
+    scaler.step(opt)
+    scaler.update()
+    scales.append(scaler.get_scale())
+  return scales, opt.params["p"].tolist()
+
+
+@pytest.mark.torch
+def test_grad_scaler_device_and_positional_forms_match_torch():
+  # torch.amp's GradScaler(device, init_scale, growth_factor, backoff_factor,
+  # growth_interval): the device is ignored ("cuda" too: torch's CPU build disables
+  # that one, a documented difference); torch.cuda.amp's form starts at init_scale.
+  flags = [0, 0, 1, 0, 0, 0, 1, 1, 0, 0]
+  arguments = (1024.0, 3.0, 0.25, 2)
+  expected = _scales_of_a_torch_loop(torch.amp.GradScaler("cpu", *arguments), flags)
+  assert expected[0][:3] == [1024.0, 3072.0, 768.0]  # the arguments were used
+  forms = {
+    "cpu, by position": jaxamp.GradScaler("cpu", *arguments),
+    "cuda, by position": jaxamp.GradScaler("cuda", *arguments),
+    "xpu, by keyword": jaxamp.GradScaler(
+      device="xpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=2
+    ),
+    "torch.cuda.amp's": jaxamp.GradScaler(*arguments, True),
+  }
+  for form, scaler in forms.items():
+    scales, params = _scales_of_a_jaxamp_loop(scaler, flags)
+    assert scales == expected[0], form
+    np.testing.assert_allclose(params, expected[1], rtol=1e-6, err_msg=form)  # same skips
+  assert jaxamp.GradScaler(*arguments, False).state_dict() == {}  # enabled, fifth by position
 
 
 def test_grad_scaler_disabled_is_a_pass_through():

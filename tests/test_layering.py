@@ -10,7 +10,13 @@ import jaxamp
 PACKAGE = pathlib.Path(jaxamp.__file__).parent
 # What _torch/ may build on: itself, the option record, input checks, and the
 # skip limit's check (a primitive of its own, no front-end).
-BELOW_TORCH = ("jaxamp._torch", "jaxamp._config", "jaxamp._validation", "jaxamp._skip_limit")
+BELOW_TORCH = (
+  "jaxamp._torch",
+  "jaxamp._config",
+  "jaxamp._hyperparams",
+  "jaxamp._validation",
+  "jaxamp._skip_limit",
+)
 
 
 def _jaxamp_imports(path: pathlib.Path) -> list[str]:

@@ -362,9 +362,9 @@ def _():
   return lambda: jaxamp.dynamic_loss_scale(optax.adam), []
 
 
-@case("GradScaler-device-argument", TypeError, r"takes no device argument: drop it")
+@case("GradScaler-device-not-a-string", TypeError, r'device must be a string such as "cuda"')
 def _():
-  return lambda: jaxamp.GradScaler("cuda"), []
+  return lambda: jaxamp.GradScaler(device=None), []
 
 
 @case("GradScaler-init_scale-jax-array", TypeError, r"static Python numbers")

@@ -1,10 +1,15 @@
-"""Opt-in protections beyond torch (clamps, hysteresis, skip limit, diagnostics).
+"""The options: the opt-in protections beyond torch (clamps, hysteresis, skip
+limit, diagnostics), and the front-ends' signatures and docs of them.
 
 The behaviour both front-ends share is tested once, parametrized by front-end
 (``dynamic_loss_scale`` through ``tx.update``; ``GradScaler`` + ``Optimizer``
 through scale/step/update), with hand-derived or reference values. What only
 one front-end has follows, per front-end.
 """
+
+import dataclasses
+import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ from helpers import (
 )
 
 import jaxamp
+from jaxamp._config import LossScaleConfig
 
 CLEAN = filled(PARAMS)
 HEAD_INF = ("head", 2, -jnp.inf)
@@ -545,5 +551,88 @@ def test_grad_scaler_disabled_ignores_options():
 
 
 def test_grad_scaler_options_are_keyword_only():
-  with pytest.raises(TypeError):
-    jaxamp.GradScaler(2.0**16, 2.0, 0.5, 2000, True, 2.0)
+  with pytest.raises(TypeError, match=r"GradScaler\(\): too many positional arguments"):
+    jaxamp.GradScaler("cuda", 2.0**16, 2.0, 0.5, 2000, True, 2.0)
+
+
+# ---------------------------------------------------------------------------------
+# The signatures, written out in each front-end, against LossScaleConfig's fields.
+# ---------------------------------------------------------------------------------
+
+FIELDS = dataclasses.fields(LossScaleConfig)
+# torch's five, which GradScaler takes by position after the device, as torch.
+TORCH_POSITIONAL = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+GRAD_SCALER_FIELDS = [f for f in FIELDS if f.name not in ("axis_name", "param_labels")]
+# torch's semantics in a torch port (docs/porting.md, "Schedules"); optax's in the optax form.
+GRAD_SCALER_DEFAULTS = {"schedule_counts": "iterations"}
+
+
+def _options(front_end):
+  parameters = list(inspect.signature(front_end).parameters.values())
+  first = parameters[0]
+  assert (first.name, first.kind) == (
+    ("inner", first.POSITIONAL_OR_KEYWORD)
+    if front_end is jaxamp.dynamic_loss_scale
+    else ("device", first.POSITIONAL_OR_KEYWORD)
+  )
+  return parameters[1:]
+
+
+def _args_entries(doc):
+  """The ``Args:`` entries of a Google-style docstring, in order, repeats kept."""
+  match = re.search(r"^( *)Args:\n(.*?)(?=^\1\S|\Z)", doc, flags=re.MULTILINE | re.DOTALL)
+  body = inspect.cleandoc("\n" + match.group(2))
+  entries = re.findall(r"^(\w+):(.*(?:\n .*)*)", body, flags=re.MULTILINE)
+  return [(name, " ".join(text.split())) for name, text in entries]
+
+
+def test_args_entries_reads_every_entry_and_keeps_repeats():
+  doc = "Sums.\n\n  Args:\n    a: the first\n      line two.\n    a: again.\n\n  Returns:\n    x\n"
+  assert _args_entries(doc) == [("a", "the first line two."), ("a", "again.")]
+
+
+def test_dynamic_loss_scale_signature_is_loss_scale_config():
+  options = _options(jaxamp.dynamic_loss_scale)
+  assert [p.name for p in options] == [f.name for f in FIELDS]
+  for parameter, field in zip(options, FIELDS):
+    assert parameter.kind is parameter.KEYWORD_ONLY, field.name
+    assert repr(parameter.default) == repr(field.default), field.name
+    assert parameter.annotation == field.type, field.name
+
+
+def test_grad_scaler_signature_is_loss_scale_config_as_torch_takes_it():
+  # Python numbers only: the field's type without jax.Array.
+  options = _options(jaxamp.GradScaler)
+  assert [p.name for p in options] == [f.name for f in GRAD_SCALER_FIELDS]
+  assert [p.name for p in options if p.kind is p.POSITIONAL_OR_KEYWORD] == list(TORCH_POSITIONAL)
+  assert all(p.kind is p.KEYWORD_ONLY for p in options[len(TORCH_POSITIONAL) :])
+  for parameter, field in zip(options, GRAD_SCALER_FIELDS):
+    default = GRAD_SCALER_DEFAULTS.get(field.name, field.default)
+    assert repr(parameter.default) == repr(default), field.name
+    assert parameter.annotation == field.type.replace(" | jax.Array", ""), field.name
+
+
+def test_front_ends_document_each_argument_once_in_the_same_words():
+  optax_form = _args_entries(inspect.getdoc(jaxamp.dynamic_loss_scale))
+  torch_form = _args_entries(inspect.getdoc(jaxamp.GradScaler.__init__))
+  assert "Args:" not in inspect.getdoc(jaxamp.GradScaler)  # the constructor's, only
+  assert [name for name, _ in optax_form] == ["inner", *(f.name for f in FIELDS)]
+  assert [name for name, _ in torch_form] == ["device", *(f.name for f in GRAD_SCALER_FIELDS)]
+  shared = dict(optax_form)
+  for name, text in torch_form[1:]:
+    assert text == shared[name], name
+
+
+def test_front_ends_name_an_unknown_keyword():
+  # Python's own message for the optax form; the torch form's names the class
+  # called (its constructor is ScalerState's) and every argument it takes.
+  with pytest.raises(
+    TypeError, match="dynamic_loss_scale.. got an unexpected keyword argument 'growth_intervall'"
+  ):
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), growth_intervall=100)
+  with pytest.raises(
+    TypeError,
+    match=r"^jaxamp: GradScaler\(\): got an unexpected keyword argument 'growth_intervall'\. "
+    r"Its arguments are: device, init_scale, growth_factor, .*, schedule_counts\.$",
+  ):
+    jaxamp.GradScaler(growth_intervall=100)

@@ -34,3 +34,12 @@ def test_public_api_core_imports_without_flax_or_torch():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "65536.0"
+
+
+@pytest.mark.parametrize("name", jaxamp.ops.__all__)
+def test_public_api_moved_name_names_its_new_home(name):
+  # Each of jaxamp.ops' names was a top-level name before 0.2.0 (CHANGELOG.md).
+  with pytest.raises(AttributeError, match=rf"^jaxamp\.{name} moved to jaxamp\.ops\.{name} "):
+    getattr(jaxamp, name)
+  with pytest.raises(AttributeError, match="^module 'jaxamp' has no attribute 'no_such_name'$"):
+    jaxamp.no_such_name  # noqa: B018

@@ -30,14 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._config import (
-  FLOAT_OVERFLOW_MESSAGE,
-  FLT_MAX,
-  INJECTED,
-  INT32_MAX,
-  INT32_MIN,
-  check_scale,
-)
+from jaxamp._config import INJECTED
 from jaxamp._frontends.state_access import (
   INJECT_STATES,
   field_array,
@@ -46,6 +39,7 @@ from jaxamp._frontends.state_access import (
   opt_state_of,
 )
 from jaxamp._frontends.transform import DynamicLossScaleState
+from jaxamp._hyperparams import FLOAT_OVERFLOW_MESSAGE, FLT_MAX, INT32_MAX, INT32_MIN, check_scale
 from jaxamp._torch.core import int32_array, scale_array
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")

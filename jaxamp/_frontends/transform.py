@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp import _engine as engine
-from jaxamp._config import LossScaleConfig, loss_scale_config, with_options
+from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._engine import Check
 from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._torch.groups import ParamLabels, SteppedGroups, check_steps, grouped
@@ -158,9 +158,23 @@ def check_state(state: Any, recorded: LossScaleConfig) -> None:
     )
 
 
-@with_options()
 def dynamic_loss_scale(
-  inner: optax.GradientTransformation, **options: Any
+  inner: optax.GradientTransformation | Mapping[Any, optax.GradientTransformation],
+  *,
+  init_scale: float | jax.Array = 2.0**16,
+  growth_factor: float | jax.Array = 2.0,
+  backoff_factor: float | jax.Array = 0.5,
+  growth_interval: int | jax.Array = 2000,
+  enabled: bool = True,
+  axis_name: str | tuple[str, ...] | None = None,
+  min_loss_scale: float | jax.Array | None = None,
+  max_loss_scale: float | jax.Array | None = None,
+  hysteresis: int | jax.Array = 1,
+  consecutive_hysteresis: bool = False,
+  max_consecutive_skips: int | None = None,
+  detect_unscale_overflow: bool = False,
+  schedule_counts: str = "applied",
+  param_labels: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -174,8 +188,7 @@ def dynamic_loss_scale(
     else:          updates, inner_state = inner.update(unscaled, inner_state, params)
     loss_scale, growth_tracker = update_loss_scale(...)           # torch's rule
 
-  The inner update is not computed on a skipped step (a loop of zero trips,
-  whose in-place carry also gives the updates the gradients' buffer), and the
+  The inner update is not computed on a skipped step (``lax.cond``), and the
   inner state comes back bit-identical. Transformations chained inside
   ``inner`` (e.g. ``optax.clip_by_global_norm``) see unscaled gradients; put
   none in front of the scaler, where they would see scaled ones.
@@ -193,7 +206,43 @@ def dynamic_loss_scale(
   Args:
     inner: the optimizer to run on unscaled gradients; with ``param_labels``,
       ``{label: optimizer}``, one per group of parameters.
-    {options}
+    init_scale: the initial scale (a finite positive float32 number).
+    growth_factor: multiplies the scale after ``growth_interval`` consecutive finite
+      steps (> 1). Python numbers are applied exactly as float64, as torch.
+    backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
+    growth_interval: consecutive finite steps before growing (an int; zero or less never
+      grows, as in torch).
+    enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, nothing is
+      checked or skipped, the gradients reach the optimizer as given, and the other
+      options are neither used nor checked.
+    axis_name: under ``jax.shard_map`` (or ``pmap``) with per-device gradients, the
+      mapped axis (or axes) over which the finiteness flag is all-reduced, so every
+      device skips the same steps, as torch all-reduces ``found_inf``
+      (docs/distributed.md).
+    min_loss_scale: (not in torch) the scale never backs off below this.
+    max_loss_scale: (not in torch) the scale never grows above this.
+    hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a
+      backoff; each is still skipped (docs/protections.md, "Semantics").
+    consecutive_hysteresis: (not in torch) DeepSpeed's variant of ``hysteresis``: every
+      finite step refills it, not only a growth attempt.
+    max_consecutive_skips: (not in torch) this many skipped steps in a row fail the
+      jitted step, or are a ``checkify`` error when the step is checkified
+      (docs/protections.md).
+    detect_unscale_overflow: (not in torch) also skip when unscaling itself overflows
+      (docs/torch_semantics.md §3.2).
+    schedule_counts: ``"iterations"`` (torch's way, ``GradScaler``'s default): a skipped
+      step still advances the schedules in the optimizer's state
+      (``optax.scale_by_schedule``, hence a schedule given as a learning rate, and
+      ``inject_hyperparams``), as torch's ``LRScheduler.step()`` runs every iteration,
+      while the optimizer's own counts (Adam's) stay. ``"applied"`` (optax's way,
+      ``dynamic_loss_scale``'s default): a skipped step leaves the inner state
+      untouched, schedules included, so a schedule counts applied updates
+      (docs/porting.md, "Schedules").
+    param_labels: torch's several optimizers with one scaler: a tree of labels like the
+      params (or a function of the gradients giving one), as ``optax.multi_transform``
+      takes it, with ``inner`` a ``{label: optimizer}``. A group is skipped only when
+      its own gradients hold inf/NaN; the scale backs off once per step whichever groups
+      did.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -217,7 +266,7 @@ def dynamic_loss_scale(
     >>> updates["w"].tolist(), float(state.loss_scale)
     ([-0.20000000298023224, -0.20000000298023224], 8.0)
   """
-  param_labels = options["param_labels"]
+  options = {name: value for name, value in locals().items() if name != "inner"}
   labels = None if param_labels is None else ParamLabels(param_labels)
   if labels is not None:
     static_inner = tuple(inner.items()) if isinstance(inner, Mapping) else inner  # hashable

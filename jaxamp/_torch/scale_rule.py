@@ -7,7 +7,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxamp._config import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
+from jaxamp._hyperparams import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
 from jaxamp._torch.exact import float_bits, multiply_exact_either
 
 

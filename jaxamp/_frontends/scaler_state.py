@@ -1,0 +1,369 @@
+"""What a ``GradScaler`` holds: built from its options, read and set as torch does.
+
+The constructor (torch's arguments, ``device`` included, and the options of
+:func:`~jaxamp.dynamic_loss_scale`), the scale and counters as arrays, torch's
+getters and setters, state dicts, copies and pickles. The iteration itself
+(``scale``, ``unscale_``, ``step``, ``update``) is :mod:`grad_scaler`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ParamSpec
+
+import jax
+
+from jaxamp._config import LossScaleConfig, loss_scale_config
+from jaxamp._frontends.checkpoint import STATE_DICT_KEYS, check_state_dict
+from jaxamp._frontends.scaler_stages import PICKLE, Record
+from jaxamp._hyperparams import check_flag, python_number
+from jaxamp._torch.core import LossScaleCore, init_core, int32_array, scale_array
+
+P = ParamSpec("P")
+
+
+class _Unset:
+  """A hyperparameter of a disabled scaler that no setter has given."""
+
+  def __repr__(self) -> str:
+    return "<unset>"
+
+  def __reduce__(self) -> str:
+    # The one instance, by name: copies and pickles keep ``value is _UNSET`` true.
+    return "_UNSET"
+
+
+_UNSET: Any = _Unset()
+_DISABLED = LossScaleConfig(
+  enabled=False, growth_factor=_UNSET, backoff_factor=_UNSET, growth_interval=_UNSET
+)
+
+
+def _called_as_torch(init: Callable[P, None]) -> Callable[P, None]:
+  """``init``, called as torch's constructors are: torch.amp's ``GradScaler(device,
+  init_scale, ...)``, or torch.cuda.amp's ``GradScaler(init_scale, growth_factor,
+  backoff_factor, growth_interval, enabled)``, a number where the device stands,
+  which moves the positional arguments one place on. Arguments that do not bind
+  are a ``jaxamp`` TypeError naming the ones it takes (Python's would name
+  ``ScalerState``)."""
+  signature = inspect.signature(init)
+
+  @functools.wraps(init)
+  def wrapper(*args: Any, **kwargs: Any) -> None:
+    if len(args) > 1 and not isinstance(args[1], str):  # args[0] is the scaler
+      args = (args[0], "cuda", *args[1:])
+    try:
+      signature.bind(*args, **kwargs)
+    except TypeError as error:
+      names = ", ".join(list(signature.parameters)[1:])
+      raise TypeError(f"jaxamp: GradScaler(): {error}. Its arguments are: {names}.") from None
+    init(*args, **kwargs)
+
+  return wrapper
+
+
+class ScalerState:
+  """The state half of :class:`~jaxamp.GradScaler` (its constructor, getters,
+  setters and state dicts); see there."""
+
+  _config: LossScaleConfig
+  _core: LossScaleCore
+  _states: dict[int, Record]
+  _scaled: bool
+  _init_growth_tracker: int
+
+  @_called_as_torch
+  def __init__(
+    self,
+    device: str | float = "cuda",
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    enabled: bool = True,
+    *,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float | None = None,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    max_consecutive_skips: int | None = None,
+    detect_unscale_overflow: bool = False,
+    schedule_counts: str = "iterations",
+  ) -> None:
+    """Creates a scaler: torch's arguments, then :func:`~jaxamp.dynamic_loss_scale`'s
+    options (but ``axis_name`` and ``param_labels``) as Python numbers, keyword-only.
+
+    One default differs from :func:`~jaxamp.dynamic_loss_scale`'s, to keep
+    torch's semantics in a torch port: ``schedule_counts="iterations"``. The
+    options apply at ``update()``, to the found_inf combined over all optimizers
+    (``detect_unscale_overflow``: at ``unscale_``/``step``).
+
+    Args:
+      device: torch.amp's device string (``"cuda"``, ``"cpu"``, ``"xpu"``, ...), accepted
+        and ignored: JAX places the arrays (and ``"cuda"`` does not disable the scaler on
+        a machine without CUDA, as torch's does). A number in its place is
+        torch.cuda.amp's positional form, ``GradScaler(init_scale, growth_factor,
+        backoff_factor, growth_interval, enabled)``.
+      init_scale: the initial scale (a finite positive float32 number).
+      growth_factor: multiplies the scale after ``growth_interval`` consecutive finite
+        steps (> 1). Python numbers are applied exactly as float64, as torch.
+      backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
+      growth_interval: consecutive finite steps before growing (an int; zero or less never
+        grows, as in torch).
+      enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, nothing is
+        checked or skipped, the gradients reach the optimizer as given, and the other
+        options are neither used nor checked.
+      min_loss_scale: (not in torch) the scale never backs off below this.
+      max_loss_scale: (not in torch) the scale never grows above this.
+      hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a
+        backoff; each is still skipped (docs/protections.md, "Semantics").
+      consecutive_hysteresis: (not in torch) DeepSpeed's variant of ``hysteresis``: every
+        finite step refills it, not only a growth attempt.
+      max_consecutive_skips: (not in torch) this many skipped steps in a row fail the
+        jitted step, or are a ``checkify`` error when the step is checkified
+        (docs/protections.md).
+      detect_unscale_overflow: (not in torch) also skip when unscaling itself overflows
+        (docs/torch_semantics.md §3.2).
+      schedule_counts: ``"iterations"`` (torch's way, ``GradScaler``'s default): a skipped
+        step still advances the schedules in the optimizer's state
+        (``optax.scale_by_schedule``, hence a schedule given as a learning rate, and
+        ``inject_hyperparams``), as torch's ``LRScheduler.step()`` runs every iteration,
+        while the optimizer's own counts (Adam's) stay. ``"applied"`` (optax's way,
+        ``dynamic_loss_scale``'s default): a skipped step leaves the inner state
+        untouched, schedules included, so a schedule counts applied updates
+        (docs/porting.md, "Schedules").
+
+    Raises:
+      TypeError, ValueError: a hyperparameter of the wrong kind or out of range
+        (not checked when disabled, as torch).
+    """
+    options = {name: value for name, value in locals().items() if name not in ("self", "device")}
+    if not isinstance(device, str):
+      raise TypeError(
+        f'jaxamp: device must be a string such as "cuda" (ignored: JAX places the '
+        f"arrays), got {type(device).__name__} {device!r}. torch.cuda.amp's form takes "
+        "init_scale first, by position only: GradScaler(2.0**16, 2.0, 0.5, 2000)."
+      )
+    self._states = {}
+    self._scaled = False
+    self._init_growth_tracker = 0
+    check_flag("enabled", enabled)
+    if not enabled:
+      self._config, self._core = _DISABLED, None  # type: ignore[assignment]  # never read
+      return
+    self._config = loss_scale_config(static=True, **options)
+    self._core = init_core(self._config)
+
+  @property
+  def _enabled(self) -> bool:
+    return self._config.enabled
+
+  # -- copies and pickles -----------------------------------------------------------
+
+  def __getstate__(self) -> dict[str, Any]:
+    """What ``copy``, ``deepcopy`` and ``pickle`` keep: as torch, only between
+    iterations (the records name optimizers by identity, which a copy cannot keep),
+    and the copy starts unowned, like a scaler before its first ``scale()`` at the
+    current scale and tracker (docs/torch_semantics.md §1.10)."""
+    if self._enabled and self._states:
+      raise RuntimeError(
+        f"{PICKLE} (jaxamp: this scaler has recorded unscale_()/step() for "
+        f"{len(self._states)} optimizer(s) since the last update(); copy or pickle it "
+        "after update(). Nothing was changed.)"
+      )
+    state = {k: v for k, v in self.__dict__.items() if k != "_owner"}
+    if self._enabled:
+      state["_config"] = self._config.replace(init_scale=self.get_scale())
+      state["_init_growth_tracker"] = self._get_growth_tracker()
+      state["_scaled"] = False
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+
+  # -- the core's arrays (no host read) and diagnostics (not in torch) ---------------
+
+  def _core_field(self, name: str, disabled: Any) -> jax.Array:
+    return int32_array(disabled) if not self._enabled else getattr(self._core, name)
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The current scale, float32 ``[]`` (1 when disabled)."""
+    return scale_array(1.0) if not self._enabled else self._core.loss_scale
+
+  @property
+  def growth_tracker(self) -> jax.Array:
+    """Consecutive clean updates since the last growth or backoff, int32 ``[]``."""
+    return self._core_field("growth_tracker", 0)
+
+  @property
+  def update_count(self) -> jax.Array:
+    """``update()`` calls that applied the rule (not ``update(new_scale)``), int32 ``[]``."""
+    return self._core_field("update_count", 0)
+
+  @property
+  def skipped_updates(self) -> jax.Array:
+    """``update()`` calls whose combined found_inf was set, int32 ``[]`` (saturating)."""
+    return self._core_field("skipped_steps", 0)
+
+  @property
+  def consecutive_skipped_updates(self) -> jax.Array:
+    """Such ``update()`` calls since the last clean one, int32 ``[]``; the count
+    ``max_consecutive_skips`` is checked against."""
+    return self._core_field("consecutive_skipped_steps", 0)
+
+  @property
+  def hysteresis_tracker(self) -> jax.Array:
+    """Overflowing updates still tolerated before a backoff, int32 ``[]``
+    (always 1 with ``hysteresis=1``, torch's rule)."""
+    return self._core_field("hysteresis_tracker", 1)
+
+  # -- getters and setters --------------------------------------------------------
+
+  def get_scale(self) -> float | int | jax.Array:
+    """The scale as a Python number; inside ``jit``, as a float32 ``[]`` array.
+
+    torch code that reads it inside the iteration (the gradient penalty's
+    ``1. / scaler.get_scale()``, clipping still-scaled gradients at
+    ``max_norm * scaler.get_scale()``) so runs unchanged under ``jax.jit``.
+    Outside ``jit`` it is a host read. Before the first ``scale()``, the
+    ``init_scale`` (or loaded scale) as given, as torch; 1.0 when disabled.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> scaler = jaxamp.GradScaler(init_scale=4.0)
+      >>> _ = scaler.scale(jnp.float32(1.0))
+      >>> scaler.get_scale(), float(jax.jit(lambda s: 1.0 / s.get_scale())(scaler))
+      (4.0, 0.25)
+    """
+    if not self._enabled:
+      return 1.0
+    if not self._scaled:
+      return self._config.init_scale
+    if isinstance(self._core.loss_scale, jax.core.Tracer):
+      return self._core.loss_scale  # inside jit: the traced scale, no host read
+    return float(self._core.loss_scale)
+
+  def _get_growth_tracker(self) -> int:
+    if not self._enabled:
+      return 0
+    if not self._scaled:
+      return self._init_growth_tracker
+    return int(self._core.growth_tracker)
+
+  def _get(self, name: str) -> Any:
+    value = getattr(self._config, name)
+    if value is _UNSET:
+      raise AttributeError(f"'GradScaler' object has no attribute '_{name}'")
+    return value
+
+  def _set(self, name: str, value: Any, *, integer: bool = False) -> None:
+    self._config = self._config.replace(**{name: python_number(name, value, integer=integer)})
+
+  def get_growth_factor(self) -> float:
+    """The growth factor (``AttributeError`` on a disabled scaler, as torch)."""
+    return self._get("growth_factor")
+
+  def set_growth_factor(self, new_factor: float) -> None:
+    """Sets the growth factor (a Python number; its range is not checked, as torch).
+
+    Args:
+      new_factor: what the scale is multiplied by after ``growth_interval``
+        steps in a row with finite gradients.
+    """
+    self._set("growth_factor", new_factor)
+
+  def get_backoff_factor(self) -> float:
+    """The backoff factor (``AttributeError`` on a disabled scaler, as torch)."""
+    return self._get("backoff_factor")
+
+  def set_backoff_factor(self, new_factor: float) -> None:
+    """Sets the backoff factor (a Python number; its range is not checked, as torch).
+
+    Args:
+      new_factor: what the scale is multiplied by after a step whose gradients
+        held inf/NaN.
+    """
+    self._set("backoff_factor", new_factor)
+
+  def get_growth_interval(self) -> int:
+    """The growth interval (``AttributeError`` on a disabled scaler, as torch)."""
+    return self._get("growth_interval")
+
+  def set_growth_interval(self, new_interval: int) -> None:
+    """Sets the growth interval (an int; <= 0 never grows, as torch).
+
+    Args:
+      new_interval: how many steps in a row with finite gradients grow the scale.
+    """
+    self._set("growth_interval", new_interval, integer=True)
+
+  def is_enabled(self) -> bool:
+    """Whether the scaler is enabled."""
+    return self._enabled
+
+  # -- checkpoints ------------------------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """torch's five keys, in torch's order, as plain Python values ({} if disabled).
+
+    Loads into ``torch.amp.GradScaler.load_state_dict`` (and back), continuing
+    the run bit for bit. A host read: call outside ``jit``.
+    """
+    if not self._enabled:
+      return {}
+    config = self._config
+    values = (
+      self.get_scale(),
+      config.growth_factor,
+      config.backoff_factor,
+      config.growth_interval,
+      self._get_growth_tracker(),
+    )
+    return dict(zip(STATE_DICT_KEYS, values))
+
+  def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    """Loads a dict saved by torch's or jaxamp's ``state_dict()``.
+
+    Everything is checked before anything changes (torch applies the keys one
+    by one). The per-optimizer stages are kept, as torch. Disabled: does nothing.
+
+    Args:
+      state_dict: what ``state_dict()`` returned, torch's or jaxamp's (``scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``).
+
+    Raises:
+      RuntimeError: an empty dict (torch's message); a scale beyond float32 or
+        a tracker beyond int32.
+      KeyError: a missing key. ValueError: unexpected keys; a scale that is
+        not finite and positive.
+      TypeError: a value of the wrong type.
+    """
+    if not self._enabled:
+      return
+    checked = check_state_dict(state_dict)
+    self._config = self._config.replace(
+      init_scale=checked["scale"],
+      growth_factor=checked["growth_factor"],
+      backoff_factor=checked["backoff_factor"],
+      growth_interval=checked["growth_interval"],
+    )
+    self._init_growth_tracker = checked["_growth_tracker"]
+    self._core = self._core._replace(
+      loss_scale=scale_array(checked["scale"]),
+      growth_tracker=int32_array(checked["_growth_tracker"]),
+    )
+
+  def __repr__(self) -> str:
+    if not self._enabled:
+      return "jaxamp.GradScaler(enabled=False)"
+    config = self._config
+    return (
+      f"jaxamp.GradScaler(growth_factor={config.growth_factor!r}, "
+      f"backoff_factor={config.backoff_factor!r}, "
+      f"growth_interval={config.growth_interval!r}, "
+      f"stages={ {k: r.stage.name for k, r in self._states.items()} })"
+    )
