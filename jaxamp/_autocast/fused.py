@@ -1,28 +1,28 @@
-"""torch's fused ops in a jaxpr: which equations are one call, and torch's CPU arithmetic.
+"""torch's fused ops in a jaxpr: which equations are one call, and how the call runs.
 
 torch computes softmax, log-softmax, GELU, layer norm and cross-entropy in one
 kernel each, in float32, rounding the result once; JAX writes them as several
 primitives. ``fused_spans`` finds the calls of the functions of
 ``policies.FUSED_FUNCTIONS`` in a jaxpr by the frames of its equations'
-tracebacks; the interpreter runs each in float32 and rounds once, with
-``CPU_KERNELS`` where torch's CPU kernel computes otherwise than the op as
-written (docs/autocast.md, "Fused ops: computed in float32, rounded once").
+tracebacks; ``run_fused`` runs one with its half inputs cast to float32, its
+equations as written with autocast off, and its result rounded once
+(docs/autocast.md, "Fused ops: computed in float32, rounded once").
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jex_core
 
-from jaxamp._autocast import cpu_math, erf_gelu
-from jaxamp._autocast.policies import F32, FUSED_FUNCTIONS
+from jaxamp._autocast.modes import OFF, region
+from jaxamp._autocast.policies import F32, FUSED_F32, FUSED_FUNCTIONS, HALF
+
+if TYPE_CHECKING:
+  from jaxamp._autocast.interpreter import Interpreter
 
 
 class Span(NamedTuple):
@@ -111,136 +111,73 @@ def fused_spans(jaxpr: Any) -> dict[int, Span]:
   return spans
 
 
-def _primitive_eqns(eqns: list[Any]) -> list[Any]:
-  """``eqns`` with the equations of ``jit`` calls in place of the calls."""
-  out = []
+def fused_dtype(interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any]) -> Any:
+  """The half dtype of the half inputs of a fused op's call (``eqns``): what its
+  result rounds to. None where it runs primitive by primitive: no half input,
+  inputs in both half dtypes, or autocast off."""
+  mode = region(eqns[0], interp.mode)
+  if mode.dtype is None or mode.as_written or any(region(e, interp.mode) != mode for e in eqns):
+    return None
+  defined: set[Any] = set()
+  halves = set()
   for eqn in eqns:
-    if eqn.primitive.name in ("pjit", "jit"):
-      out += _primitive_eqns(eqn.params["jaxpr"].jaxpr.eqns)
+    for v in eqn.invars:
+      if not isinstance(v, jex_core.Literal) and v not in defined:
+        dtype = np.dtype(read(v).dtype)
+        if dtype in HALF:
+          halves.add(dtype)
+    defined.update(eqn.outvars)
+  return halves.pop() if len(halves) == 1 else None
+
+
+def run_fused(
+  interp: Interpreter,
+  span: Span,
+  eqns: list[Any],
+  env: dict[Any, Any],
+  read: Callable[[Any], Any],
+  half: Any,
+) -> None:
+  """A call of a fused op as torch's kernel computes it, into ``env``: its half
+  inputs cast to float32, its equations run with autocast off (in the dtypes
+  their inputs arrive in), its result rounded to ``half`` once, or kept float32
+  where the policy's float32 list has the op."""
+  mode = region(eqns[0], interp.mode)
+
+  def read32(v: Any) -> Any:
+    x = read(v)
+    return interp.cast(x, F32) if np.dtype(x.dtype) in HALF else x
+
+  _in_float32(interp.in_mode(OFF), eqns, env, read32)
+  to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
+  for v in span.outs:
+    x = env[v]
+    env[v] = interp.cast(x, half) if to_half and np.dtype(x.dtype) == F32 else x
+
+
+def _in_float32(off: Interpreter, eqns: list[Any], env: dict[Any, Any], read32: Callable) -> None:
+  """``eqns`` (a fused op's call) run with autocast off on float32 inputs, into
+  ``env``: jnp's roundings of a half sum back to the half dtype are left out,
+  as torch's kernel has none, in a ``jit`` call the op makes too
+  (``jax.nn.standardize`` of a value that is half when traced)."""
+  for eqn in eqns:
+    args = [read32(v) for v in eqn.invars]
+    if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] in HALF:
+      env[eqn.outvars[0]] = args[0]
+      continue
+    if eqn.primitive.name in ("jit", "pjit"):
+      closed = eqn.params["jaxpr"]
+      inner = dict(zip(closed.jaxpr.constvars, closed.consts))
+      inner.update(zip(closed.jaxpr.invars, args))
+
+      def read_inner(v: Any, inner: dict = inner) -> Any:
+        x = v.val if isinstance(v, jex_core.Literal) else inner[v]
+        return off.cast(x, F32) if np.dtype(x.dtype) in HALF else x
+
+      _in_float32(off, closed.jaxpr.eqns, inner, read_inner)
+      outs = [read_inner(v) for v in closed.jaxpr.outvars]
     else:
-      out.append(eqn)
-  return out
-
-
-def _unary(eqns: list[Any], read: Callable[[Any], Any], outs: tuple[Any, ...]) -> Any:
-  """The one input array of a call with one output; None otherwise."""
-  defined = {v for eqn in eqns for v in eqn.outvars}
-  ins = {
-    v
-    for eqn in eqns
-    for v in eqn.invars
-    if not isinstance(v, jex_core.Literal) and v not in defined
-  }
-  if len(ins) != 1 or len(outs) != 1:
-    return None
-  x = read(ins.pop())
-  return x if np.shape(x) == tuple(outs[0].aval.shape) else None
-
-
-def _tanh(u: Any) -> Any:
-  """tanh in float32 as near correctly rounded as torch's (SLEEF's): near +-1,
-  where GELU's ``1 + tanh`` cancels, it is ``1 - 2 / (exp(2|u|) + 1)``, whose
-  rounding is then the only error (XLA's ``tanh`` is a few ulps off there)."""
-  a = jnp.abs(u)
-  t = 1.0 - 2.0 / (jnp.exp(2.0 * a) + 1.0)
-  return jnp.where(u < 0, -t, t)
-
-
-def _gelu_cpu(
-  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
-) -> list[Any] | None:
-  """torch's CPU GELU kernel: ``0.5 * x * (1 + tanh(b * (x + k * x**3)))`` in
-  float32 with its ``tanh``, or the erf GELU torch runs for ``half`` inputs on this
-  machine (``erf_gelu``)."""
-  x = _unary(eqns, read, outs)
-  names = {eqn.primitive.name for eqn in _primitive_eqns(eqns)}
-  if x is None:
-    return None
-  x = x.astype(F32)
-  if "tanh" in names:
-    beta, kappa = np.float32(math.sqrt(2.0 / math.pi)), np.float32(0.044715)
-    return [0.5 * x * (1.0 + _tanh(beta * (x + kappa * (x * x * x))))]
-  if names & {"erf", "erfc"}:
-    return [erf_gelu.torch_cpu(x, half)]
-  return None
-
-
-def _log_softmax_cpu(
-  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
-) -> list[Any] | None:
-  """torch's CPU log-softmax kernel over the last axis of a half input: the sum
-  of ``exp(x - max)`` in float32, rounded to the half dtype, its log rounded
-  again, ``x - max - log`` in float32 rounded once. Over another axis every
-  step is float32 (the ops as written)."""
-  x = _unary(eqns, read, outs)
-  maxes = [e for e in _primitive_eqns(eqns) if e.primitive.name == "reduce_max"]
-  if x is None or len(maxes) != 1 or tuple(maxes[0].params["axes"]) != (np.ndim(x) - 1,):
-    return None
-  x = x.astype(F32)
-  shifted = x - lax.stop_gradient(jnp.max(x, -1, keepdims=True))
-  total = jnp.sum(jnp.exp(shifted), -1, keepdims=True).astype(half).astype(F32)
-  return [shifted - jnp.log(total).astype(half).astype(F32)]
-
-
-def _max_operand(eqns: list[Any]) -> Any:
-  """The variable of ``eqns``' scope whose ``reduce_max`` the one in ``eqns``
-  (or in a ``jit`` among them) takes, when it takes it unchanged; else None."""
-  for eqn in eqns:
-    if eqn.primitive.name == "reduce_max":
-      return eqn.invars[0]
-    if eqn.primitive.name in ("pjit", "jit"):
-      inner = eqn.params["jaxpr"].jaxpr
-      v = _max_operand(inner.eqns)
-      if v is not None and v in inner.invars:
-        return eqn.invars[inner.invars.index(v)]
-      if any(e.primitive.name == "reduce_max" for e in _primitive_eqns(inner.eqns)):
-        return None
-  return None
-
-
-def _cross_entropy_cpu(
-  eqns: list[Any], read: Callable[[Any], Any], half: Any, outs: Any
-) -> list[Any] | None:
-  """torch's CPU ``cross_entropy`` of float32 logits over the last axis (its
-  log-softmax kernel, then ``nll_loss``): ``-((x[t] - max) - log(sum))`` with
-  SLEEF's ``exp`` and ``log`` and the sum in the vector lanes' order
-  (``cpu_math``); against one-hot or soft labels ``-sum(labels * (x - max -
-  log(sum)))``, the label sum as written. None (the ops as written) where torch's
-  CPU kernels are not SLEEF's (``cpu_math.torch_cpu_lanes``), over another axis,
-  or with ``where``."""
-  lanes = cpu_math.torch_cpu_lanes()
-  maxes = [e for e in _primitive_eqns(eqns) if e.primitive.name == "reduce_max"]
-  logits = _max_operand(eqns)
-  defined = {v for eqn in eqns for v in eqn.outvars}
-  ins = {
-    v
-    for eqn in eqns
-    for v in eqn.invars
-    if not isinstance(v, jex_core.Literal) and v not in defined
-  }
-  if lanes is None or len(maxes) != 1 or logits not in ins or len(ins) != 2 or len(outs) != 1:
-    return None
-  (other,) = ins - {logits}
-  x, labels = read(logits), read(other)
-  shape = np.shape(x)
-  if (
-    np.dtype(x.dtype) != F32
-    or tuple(maxes[0].params["axes"]) != (len(shape) - 1,)
-    or tuple(outs[0].aval.shape) != shape[:-1]
-  ):
-    return None
-  shifted = x - lax.stop_gradient(jnp.max(x, -1, keepdims=True))
-  log_sum = cpu_math.log(cpu_math.row_sum(cpu_math.exp(shifted), lanes))
-  if np.issubdtype(labels.dtype, np.integer) and np.shape(labels) == shape[:-1]:
-    picked = jnp.take_along_axis(shifted, labels[..., None], axis=-1)[..., 0]
-    return [-(picked - log_sum)]
-  if np.issubdtype(labels.dtype, np.floating) and np.shape(labels) == shape:
-    return [-jnp.sum(labels * (shifted - log_sum[..., None]), -1)]
-  return None
-
-
-CPU_KERNELS: dict[str, Callable[..., list[Any] | None]] = {
-  "cross_entropy": _cross_entropy_cpu,
-  "gelu": _gelu_cpu,
-  "log_softmax": _log_softmax_cpu,
-}
+      out = off.eval_in_mode(eqn, args)
+      outs = out if eqn.primitive.multiple_results else [out]
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x

@@ -11,16 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast.interpreter import (
-  AS_WRITTEN_SCOPE,
-  OFF_SCOPE,
-  Mode,
-  check_outputs,
-  interpret,
-  is_array_leaf,
-  policy_scope,
-  tracing,
-)
+from jaxamp._autocast.interpreter import check_outputs, interpret, is_array_leaf
+from jaxamp._autocast.modes import AS_WRITTEN_SCOPE, OFF_SCOPE, Mode, policy_scope, tracing
 from jaxamp._autocast.policies import F32, HALF, POLICIES
 
 
