@@ -7,7 +7,6 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxamp._hyperparams import (
   check_axis_name,
@@ -53,7 +52,7 @@ def _key(value: Any) -> Any:
   """A hashable, self-equal stand-in for a configuration value (NaN included)."""
   if isinstance(value, float):
     return (float, value.hex())
-  if isinstance(value, (jax.Array, np.ndarray)):
+  if is_array(value):
     return (type(value), id(value))
   return (type(value), value)
 

@@ -331,18 +331,16 @@ class GradScaler(ScalerState):
     self._check_not_captured("update", ([r.found_inf for r in self._states.values()], new_scale))
     if new_scale is not None:
       self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
-      self._states = {}
-      stages.release(self)
-      return
-    found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]
-    if not found_infs:
-      raise RuntimeError(stages.NO_CHECKS_UPDATE)
-    found_inf = functools.reduce(jnp.logical_or, found_infs)
-    eager = not traced((self._core, found_inf))
-    core = call_compiled(_advance, (self._config, eager), self._core, found_inf)
-    if eager:
-      check_skip_limit(core, self._config)
-    self._core = core
+    else:
+      found_infs = [r.found_inf for r in self._states.values() if r.found_inf is not None]
+      if not found_infs:
+        raise RuntimeError(stages.NO_CHECKS_UPDATE)
+      found_inf = functools.reduce(jnp.logical_or, found_infs)
+      eager = not traced((self._core, found_inf))
+      core = call_compiled(_advance, (self._config, eager), self._core, found_inf)
+      if eager:
+        check_skip_limit(core, self._config)
+      self._core = core
     self._states = {}
     stages.release(self)
 
