@@ -3,13 +3,17 @@ softmax cross-entropy computed in float32 and rounded once, as torch's kernels d
 
 Each op is written the usual JAX way (``jax.nn``, Flax and Equinox ``LayerNorm``,
 ``optax``) and applied to the output of a half matmul; torch runs the same op live
-under ``torch.autocast("cpu", ...)`` on the same matmul.
+under ``torch.autocast("cpu", ...)`` on the same matmul. torch's CPU kernels differ
+between CPUs, so neither result is compared with the other bit for bit: each is
+held to what computing the op in float32 and rounding once can give on the half
+input it was given (``tests/autocast_reference.py``).
 """
 
 from __future__ import annotations
 
 import math
 
+import autocast_reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,7 +111,25 @@ def _ops(name, scale, bias, labels):
   }[name]
 
 
+# name -> (float64 reference and float32 error bound of the op on the half input
+# h, keyword arguments), for the ops _ops defines
+def _reference(name, h, scale, bias, labels):
+  if name in ("flax.nnx.LayerNorm", "flax.linen.LayerNorm", "equinox.nn.LayerNorm"):
+    return ref.layer_norm(h, scale, bias)
+  return {
+    "softmax": lambda: ref.softmax(h, -1),
+    "softmax_axis0": lambda: ref.softmax(h, 0),
+    "log_softmax": lambda: ref.log_softmax(h, -1),
+    "gelu_tanh": lambda: ref.gelu_tanh(h),
+    "gelu_erf": lambda: ref.gelu_erf(h),
+    "standardize": lambda: ref.layer_norm(h),
+    "softmax_cross_entropy": lambda: ref.cross_entropy(h, labels),
+    "softmax_cross_entropy_with_integer_labels": lambda: ref.cross_entropy(h, labels),
+  }[name]()
+
+
 def _run_both(name, half, jit=False, half_when_traced=False):
+  """Each one's half matmul output and the op applied to it: jaxamp's, torch's."""
   torch = _torch()
   x, w, scale, bias, labels = _data()
   j_op, t_op = _ops(name, scale, bias, labels)
@@ -116,16 +138,35 @@ def _run_both(name, half, jit=False, half_when_traced=False):
   def matmul(x, w):  # half at run time; at trace time too, where asked
     return x.astype(h) @ w.astype(h) if half_when_traced else x @ w
 
-  ours = jaxamp.autocast(lambda x, w: j_op(matmul(x, w)), h, policy="cpu")
-  ours = (jax.jit(ours) if jit else ours)(jnp.asarray(x), jnp.asarray(w))
+  def f(x, w):
+    a = matmul(x, w)
+    return a, j_op(a)
+
+  ours = jaxamp.autocast(f, h, policy="cpu")
+  ours_h, ours = (jax.jit(ours) if jit else ours)(jnp.asarray(x), jnp.asarray(w))
   with torch.autocast("cpu", dtype=getattr(torch, half)):
-    theirs = t_op(torch.tensor(x) @ torch.tensor(w))
-  return ours, theirs
+    theirs_h = torch.tensor(x) @ torch.tensor(w)
+    theirs = t_op(theirs_h)
+  return (ours_h, ours), (theirs_h, theirs)
 
 
-def _equal(ours, theirs):
-  """The fraction of elements of ``ours`` equal to torch's ``theirs``."""
-  return np.mean(np.asarray(ours.astype(jnp.float32)) == theirs.float().numpy())
+def _f64(a):
+  return np.asarray(
+    a.float().numpy() if hasattr(a, "numpy") else jnp.asarray(a, jnp.float32), float
+  )
+
+
+def _check_rounds_once(name, half, both):
+  """jaxamp's and torch's results each within the round-once bound of the op on
+  its own half input (the two matmuls may round an element apart)."""
+  *_, scale, bias, labels = _data()
+  rounded = None if name in LOSSES else half
+  for who, (h, out) in zip(("jaxamp", "torch"), both):
+    r, err = _reference(name, _f64(h), scale, bias, labels)
+    if who == "torch" and name == "log_softmax":
+      err = err + ref.torch_log_softmax_extra(_f64(h), half)
+    ok = ref.within(_f64(out), r, err, rounded)
+    assert ok.all(), (who, _f64(out)[~ok][:4], r[~ok][:4], err[~ok][:4])
 
 
 @pytest.mark.torch
@@ -133,14 +174,12 @@ def _equal(ours, theirs):
 @pytest.mark.parametrize("name", HALF_OPS)
 def test_fused_op_rounds_once_as_torch_cpu_autocast_matches_torch(name, half):
   ours, theirs = _run_both(name, half)
-  assert str(ours.dtype) == str(theirs.dtype).removeprefix("torch.") == half
-  # torch computes the op in float32 and rounds once; so does jaxamp, with the
-  # CPU kernel's own arithmetic where it differs (GELU's erf and tanh, the
-  # rounded sum of log-softmax). What is left is float32 rounding (XLA's exp and
-  # summation order against SLEEF's): measured 99.8-100% equal. Computed
-  # primitive by primitive in the half dtype: 30-82% (docs/autocast.md).
-  equal = _equal(ours, theirs)
-  assert equal >= 0.99, equal
+  assert str(ours[1].dtype) == str(theirs[1].dtype).removeprefix("torch.") == half
+  # torch computes the op in float32 and rounds once, and so does jaxamp: both
+  # within the bound of a float32 evaluation, plus one rounding; the op computed
+  # primitive by primitive in the half dtype falls outside it (the control test
+  # below). torch's log-softmax rounds twice more inside (torch_log_softmax_extra).
+  _check_rounds_once(name, half, (ours, theirs))
 
 
 @pytest.mark.torch
@@ -148,23 +187,21 @@ def test_fused_op_rounds_once_as_torch_cpu_autocast_matches_torch(name, half):
 @pytest.mark.parametrize("name", ["softmax", "log_softmax", "gelu_tanh", "standardize"])
 def test_fused_op_under_jit_rounds_as_torch_cpu_autocast_matches_torch(name, half):
   # Under jit XLA may skip rounding the matmul's float32 result to bfloat16
-  # before the op casts it back up (excess precision): 5% of softmax's
-  # elements were torch's. jaxamp keeps the rounding (kept_bfloat16).
-  ours, theirs = _run_both(name, half, jit=True)
-  equal = _equal(ours, theirs)
-  assert equal >= 0.99, equal
+  # before the op casts it back up (excess precision): then the op's input is not
+  # the half matmul output. jaxamp keeps the rounding (kept_bfloat16).
+  _check_rounds_once(name, half, _run_both(name, half, jit=True))
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("half", sorted(HALVES))
-@pytest.mark.parametrize("name", ["softmax", "gelu_erf", "standardize", "flax.nnx.LayerNorm"])
+@pytest.mark.parametrize("name", ["softmax", "standardize", "flax.nnx.LayerNorm"])
 def test_fused_op_of_a_value_half_when_traced_matches_torch(name, half):
   # jax.nn.standardize is one jit call; traced on a half value, jnp rounds its
   # mean and variance to the half dtype inside it, which torch's kernel does
   # not: 213 bfloat16 ulps off before jaxamp left those roundings out there too.
-  ours, theirs = _run_both(name, half, half_when_traced=True)
-  equal = _equal(ours, theirs)
-  assert equal >= 0.99, equal
+  # (GELU is left out: its constants, traced in the half dtype, stay rounded;
+  # docs/autocast.md, "Fused ops: computed in float32, rounded once".)
+  _check_rounds_once(name, half, _run_both(name, half, half_when_traced=True))
 
 
 @pytest.mark.torch
@@ -173,27 +210,61 @@ def test_fused_op_of_a_value_half_when_traced_matches_torch(name, half):
 def test_softmax_cross_entropy_is_float32_as_torch_cpu_autocast_matches_torch(name, half):
   ours, theirs = _run_both(name, half)
   # torch's CPU float32 list: cross_entropy casts its half input up, its loss is float32
-  assert str(ours.dtype) == str(theirs.dtype).removeprefix("torch.") == "float32"
-  t = theirs.numpy()
-  # float32 values: XLA's exp and log and SLEEF's differ in the last bits
-  assert np.max(np.abs(np.asarray(ours) - t) / np.abs(t)) <= 4 * 2.0**-24
-  rounded = np.asarray(ours.astype(HALVES[half]).astype(jnp.float32))
-  assert np.mean(rounded == theirs.to(getattr(_torch(), half)).float().numpy()) >= 0.99
+  assert str(ours[1].dtype) == str(theirs[1].dtype).removeprefix("torch.") == "float32"
+  _check_rounds_once(name, half, (ours, theirs))
+
+
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize(
+  "name", ["softmax", "softmax_axis0", "log_softmax", "gelu_tanh", "gelu_erf"]
+)
+def test_fused_op_rounding_at_each_primitive_falls_outside_the_bound(name, half):
+  # The control: the bound the tests above hold jaxamp and torch to tells one
+  # rounding from one per primitive (the op on a half array, as JAX computes it).
+  x, w, scale, bias, labels = _data()
+  h = jnp.asarray(x).astype(HALVES[half]) @ jnp.asarray(w).astype(HALVES[half])
+  j_op, _ = _ops(name, scale, bias, labels)
+  r, err = _reference(name, _f64(h), scale, bias, labels)
+  assert not ref.within(_f64(j_op(h)), r, err, half).all()
 
 
 def _every_half(half):
-  """Every value of the half dtype, by its bits: (jnp array, torch tensor)."""
-  torch = _torch()
+  """Every finite value of the half dtype, as float32 values."""
   bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.int16)
-  return jnp.asarray(bits).view(HALVES[half]), torch.from_numpy(bits.copy()).view(
-    getattr(torch, half)
-  )
+  x = np.asarray(jnp.asarray(bits).view(HALVES[half]).astype(jnp.float32))
+  return x[np.isfinite(x)]
 
 
-def _bits_equal_or_both_nan(ours, theirs):
-  ours = np.asarray(ours.astype(jnp.float32))
-  theirs = theirs.float().numpy()
-  return (ours.view(np.uint32) == theirs.view(np.uint32)) | (np.isnan(ours) & np.isnan(theirs))
+@pytest.mark.torch
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize("kernel", ["torch's choice", "torch's own"])
+@pytest.mark.parametrize("name", ["gelu_erf", "gelu_tanh"])
+def test_gelu_of_every_half_value_rounds_once_matches_torch(name, kernel, half, jit, monkeypatch):
+  # torch hands a bfloat16 GELU to oneDNN on AVX-512 CPUs (a float16 one where
+  # the CPU has AVX512-FP16) and runs its own kernel elsewhere and with mkldnn
+  # off: every finite half value, jaxamp's and torch's within the round-once
+  # bound. Where 1 + erf and 1 + tanh cancel (large negative x) that bound is
+  # wide: torch's float32 GELU has few correct bits there.
+  torch = _torch()
+  if kernel == "torch's own":
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+  x = _every_half(half)
+  *_, scale, bias, labels = _data()
+  j_op, t_op = _ops(name, scale, bias, labels)
+  # traced in float32, half when it runs: the half matmul with the identity is x
+  fn = jaxamp.autocast(lambda x, e: j_op(x @ e), HALVES[half], policy="cpu")
+  n = math.ceil(math.sqrt(x.size))
+  padded = np.zeros(n * n, np.float32)
+  padded[: x.size] = x
+  ours = (jax.jit(fn) if jit else fn)(padded.reshape(n, n), np.eye(n, dtype=np.float32))
+  ours = _f64(ours).reshape(-1)[: x.size]
+  with torch.autocast("cpu", dtype=getattr(torch, half)):
+    theirs = _f64(t_op(torch.tensor(x).to(getattr(torch, half))))
+  r, err = _reference(name, x, scale, bias, labels)
+  for who, v in (("jaxamp", ours), ("torch", theirs)):
+    ok = ref.within(v, r, err, half)
+    assert ok.all(), (who, x[~ok][:8], v[~ok][:8], r[~ok][:8])
 
 
 def _block(w, x, labels):
