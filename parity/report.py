@@ -371,7 +371,7 @@ def _tolerance_rows(results: list[Result]) -> list[str]:
   ]
   for (param_rtol, state_rtol), runs in sorted(groups.items()):
     names = list(dict.fromkeys(r.scenario for r in runs))
-    named = ", ".join(f"`{n}`" for n in names) if len(names) <= 3 else f"{len(names)} scenarios"
+    named = ", ".join(f"`{n}`" for n in names) if len(names) <= 3 else str(len(names))
     param = max(r.max_param_diff for r in runs)
     state = max(r.max_state_diff for r in runs)
     rows.append(
