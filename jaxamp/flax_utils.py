@@ -1,38 +1,9 @@
-"""Flax glue: a loss-scaling ``value_and_grad`` and per-step metrics.
+"""Flax glue: a loss-scaling ``value_and_grad``, one-call updates, per-step metrics.
 
-Import it as ``from jaxamp import flax_utils``; the core ``jaxamp`` package does
-not import flax. Both helpers work inside ``nnx.jit`` and ``jax.jit`` and never
-synchronise with the host.
-
-An NNX step (``nnx.Optimizer``)::
-
-  @nnx.jit
-  def train_step(model, optimizer, x, y):
-    grad_fn = flax_utils.scaled_value_and_grad(loss_fn, optimizer)
-    loss, grads = grad_fn(model, x, y)      # unscaled loss, scaled grads
-    flax_utils.update(optimizer, model, grads)  # unscales, maybe skips
-    return loss, flax_utils.loss_scale_metrics(optimizer)
-
-A linen step (``TrainState``)::
-
-  @jax.jit
-  def train_step(state, x, y):
-    grad_fn = flax_utils.scaled_value_and_grad(loss_fn, state)
-    loss, grads = grad_fn(state.params, x, y)
-    state = flax_utils.apply_gradients(state, grads=grads)
-    return state, loss, flax_utils.loss_scale_metrics(state)
-
-``flax_utils.update(optimizer, model, grads)`` and
-``flax_utils.apply_gradients(state, grads=grads)`` compute what
-``optimizer.update(model, grads)`` and ``state.apply_gradients(grads=grads)``
-compute, through :func:`jaxamp.apply_scaled_updates`: the whole update in one
-branch that XLA fuses, nothing computed on a skipped step (BENCHMARKS.md,
-"Flax"). The Flax methods work too.
-
-Read the total number of skipped updates from ``metrics["skipped_steps"]``:
-``nnx.Optimizer.step`` and ``TrainState.step`` count every update call,
-skipped or applied, so the updates actually applied are
-``step - skipped_steps``.
+Import it as ``from jaxamp import flax_utils``: the core ``jaxamp`` package does not
+import flax. Everything here works inside ``nnx.jit`` and ``jax.jit`` with no host
+sync; docs/flax.md has the NNX and linen steps. ``nnx.Optimizer.step`` and
+``TrainState.step`` count skipped updates too: read ``metrics["skipped_steps"]``.
 """
 
 from __future__ import annotations
@@ -58,7 +29,6 @@ _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
 def _check_loss(loss: Any, has_aux: bool) -> None:
-  """Raises a clear error for a loss that cannot be scaled correctly."""
   if isinstance(loss, (tuple, list)) and not has_aux:
     raise TypeError(
       f"jaxamp: the loss function returned a {type(loss).__name__}, not a scalar "
@@ -89,11 +59,7 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
 
 
 def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
-  """Raises if the scale is a constant while the step's inputs are traced.
-
-  That happens when the optimizer (or TrainState) was captured from outside a
-  jitted step instead of being passed in: the scale would be frozen.
-  """
+  """Raises if the scale is a constant (a captured optimizer) in a traced step."""
   if isinstance(scale, jax.core.Tracer):
     return
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
@@ -107,7 +73,6 @@ def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
 
 
 def _check_update_arguments(optimizer: Any, model: Any, grads: Any) -> None:
-  """Raises a clear error for arguments ``update`` cannot use (before anything changes)."""
   if not isinstance(optimizer, nnx.Optimizer):
     raise TypeError(
       f"jaxamp: flax_utils.update takes an nnx.Optimizer first, got {type(optimizer).__name__}; "
@@ -147,24 +112,14 @@ def scaled_value_and_grad(
 ) -> Callable[..., Any]:
   """``value_and_grad`` of ``fn`` with the loss multiplied by the loss scale.
 
-  The returned function evaluates ``fn``, multiplies its loss by the current
-  loss scale in float32 (:func:`jaxamp.scale_loss`), and differentiates the
-  product. It returns the *unscaled* loss (and ``aux``) with the gradients of
-  the *scaled* loss, which is what ``optimizer.update`` and
-  ``TrainState.apply_gradients`` expect from a :func:`jaxamp.dynamic_loss_scale`
-  optimizer.
-
-  With an ``nnx.Optimizer`` it differentiates with ``nnx.value_and_grad``
-  (``fn`` takes ``nnx`` modules); with anything else (a ``TrainState`` or a
-  bare optax state) with ``jax.value_and_grad`` (``fn`` takes parameters).
-  The scale is read from ``opt_state_or_optimizer`` on every call, so inside a
-  jitted step create this function from the optimizer or state the step
-  receives as an argument.
+  It returns the *unscaled* loss with the gradients of ``loss * scale``
+  (:func:`jaxamp.scale_loss`), through ``nnx.value_and_grad`` for an
+  ``nnx.Optimizer``, else ``jax.value_and_grad``. Inside a jitted step, create it
+  from the optimizer or state the step receives as an argument.
 
   Args:
-    fn: the loss function. It returns a scalar floating-point loss, or
-      ``(loss, aux)`` with ``has_aux=True``. Return float32 (or bfloat16 or
-      float64); a float16 loss is refused (see Raises).
+    fn: the loss function, returning a scalar float32 (or bfloat16, float64)
+      loss, or ``(loss, aux)`` with ``has_aux=True``.
     opt_state_or_optimizer: an ``nnx.Optimizer``, a ``TrainState`` or an optax
       state holding exactly one :class:`jaxamp.DynamicLossScaleState`.
     argnums: which positional arguments to differentiate, as in
@@ -177,13 +132,10 @@ def scaled_value_and_grad(
     ``fn``'s dtype; ``grads`` are gradients of ``loss * scale``.
 
   Raises:
-    ValueError: ``opt_state_or_optimizer`` holds no jaxamp state, or several
-      (at creation); the loss is not a scalar; the optimizer was captured from
-      outside the traced step, so the scale would be a frozen constant.
-    TypeError: the loss is not a floating-point array (or a tuple without
-      ``has_aux=True``), or is float16: the gradient of a float16 loss starts
-      from the scale cast to float16, which overflows at the default scale
-      65536. Compute the loss in float32 from float32 logits.
+    ValueError: no jaxamp state, or several; a loss that is not a scalar; an
+      optimizer captured from outside the traced step (a frozen scale).
+    TypeError: a loss that is not a floating-point array, or is float16 (its
+      gradient starts from the scale cast to float16, which overflows).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -208,18 +160,14 @@ def scaled_value_and_grad(
 
   def scaled_fn(*args, **kwargs):
     out = fn(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(
-          "jaxamp: with has_aux=True the loss function must return (loss, aux), "
-          f"got {type(out).__name__}."
-        )
-      loss, aux = out
-    else:
-      loss, aux = out, None
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+        "jaxamp: with has_aux=True the loss function must return (loss, aux), "
+        f"got {type(out).__name__}."
+      )
+    loss, aux = out if has_aux else (out, None)
     _check_loss(loss, has_aux)
-    scale = get_loss_scale(opt_state_or_optimizer)
-    return multiply_by_scale(loss, scale), (loss, aux)
+    return multiply_by_scale(loss, get_loss_scale(opt_state_or_optimizer)), (loss, aux)
 
   transform = nnx.value_and_grad if is_nnx else jax.value_and_grad
   grad_fn = transform(scaled_fn, argnums=argnums, has_aux=True)
@@ -235,27 +183,18 @@ def scaled_value_and_grad(
 def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
   """The loss-scale state as a dict of arrays, for logging without a host sync.
 
-  Call it after the update, inside the jitted step, and return the dict from
-  the step; convert to Python numbers only when logging.
-
   Args:
     opt_state_or_optimizer: an ``nnx.Optimizer``, a ``TrainState`` or an optax
       state holding exactly one :class:`jaxamp.DynamicLossScaleState`.
 
   Returns:
-    ``loss_scale`` (float32, the scale the *next* loss will be multiplied by),
-    ``skipped`` (bool, whether the last update found inf/NaN and was skipped;
-    under ``jaxamp.accumulate_gradients`` it stays set through the next window,
-    so count ``skipped_steps``),
-    ``skipped_steps`` (int32, total skipped updates: read this one, not
-    ``nnx.Optimizer.step`` or ``TrainState.step``, which count skipped updates
-    too) and ``consecutive_skipped_steps`` (int32, skipped since the last
-    applied update). All are arrays of shape ``[]``; outside ``jit``, copies,
-    which a later step that donates the state does not delete.
+    Arrays ``[]`` (outside ``jit``, copies that outlive a donation):
+    ``loss_scale`` (float32, for the *next* loss), ``skipped`` (bool, the last
+    update was skipped), ``skipped_steps`` (int32, the total; the Flax ``step``
+    counts skipped updates too) and ``consecutive_skipped_steps`` (int32).
 
   Raises:
-    ValueError: there is no jaxamp state in ``opt_state_or_optimizer``, or
-      more than one.
+    ValueError: no jaxamp state, or several.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -287,12 +226,9 @@ def update(
 ) -> None:
   """``optimizer.update(model, grads)`` in one :func:`jaxamp.apply_scaled_updates` call.
 
-  Updates ``model``'s parameters, ``optimizer.opt_state`` and
-  ``optimizer.step`` in place as ``nnx.Optimizer.update`` does, with the same
-  loss-scale state and skip decisions; on a skipped step the parameters and
-  the inner optimizer state are left untouched and ``step`` still counts the
-  call. Unlike ``nnx.Optimizer.update`` it returns nothing: the updates are
-  never materialised. Call it inside ``nnx.jit``.
+  In place, as ``nnx.Optimizer.update``, with the same skip decisions (``step``
+  counts a skipped call too); it returns nothing: the updates are never
+  materialised. Call it inside ``nnx.jit``.
 
   Args:
     optimizer: an ``nnx.Optimizer`` whose ``tx`` holds a
@@ -303,8 +239,8 @@ def update(
     **kwargs: forwarded to ``tx.update``.
 
   Raises:
-    ValueError: the optimizer holds no jaxamp state, or its ``tx`` does not
-      check the gradients as given (e.g. ``optax.MultiSteps`` around it).
+    ValueError: no jaxamp state, or its ``tx`` does not check the gradients as
+      given (e.g. ``optax.MultiSteps`` around it).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -354,13 +290,8 @@ def apply_gradients(
 ) -> Any:
   """``state.apply_gradients(grads=grads)`` in one :func:`jaxamp.apply_scaled_updates` call.
 
-  Returns ``state`` (a ``flax.training.train_state.TrainState``) with
-  ``step`` incremented, ``params`` and ``opt_state`` updated, and ``kwargs``
-  replaced, as ``TrainState.apply_gradients`` does, with the same loss-scale
-  state and skip decisions; on a skipped step ``params`` and the inner
-  optimizer state come back untouched. Gradients with an
-  ``OVERWRITE_WITH_GRADIENT`` collection (fp8) are handled as Flax does.
-  Donate the state to ``jax.jit`` to update it in place.
+  As ``TrainState.apply_gradients``, with the same skip decisions and fp8's
+  ``OVERWRITE_WITH_GRADIENT``. Donate the state to ``jax.jit`` to update it in place.
 
   Args:
     state: a ``TrainState`` whose ``tx`` holds a
@@ -373,8 +304,8 @@ def apply_gradients(
     The updated ``TrainState``.
 
   Raises:
-    ValueError: the state holds no jaxamp state, or its ``tx`` does not check
-      the gradients as given (e.g. ``optax.MultiSteps`` around it).
+    ValueError: no jaxamp state, or its ``tx`` does not check the gradients as
+      given (e.g. ``optax.MultiSteps`` around it).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -399,11 +330,7 @@ def apply_gradients(
   new_params_with_opt, new_opt_state = apply_scaled_updates(
     state.tx, grads_with_opt, state.opt_state, params_with_opt, axis_name=axis_name
   )
+  new_params = new_params_with_opt
   if overwrite:
-    new_params = {
-      "params": new_params_with_opt,
-      OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
-    }
-  else:
-    new_params = new_params_with_opt
+    new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
   return state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state, **kwargs)
