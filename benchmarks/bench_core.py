@@ -26,7 +26,8 @@ process's CPU time (all threads), of
 ``jax.jit(step, donate_argnums=(0, 1)).lower(...).compile()``: tracing,
 lowering and XLA's compile of a fresh step function each time, with JAX's
 persistent compilation cache off, so that no program is reused. One untimed
-round first warms JAX's own caches (its jitted ``jnp`` helpers, which every
+compile of each contender first (of the LM itself; of 6 leaves of the tree's
+shapes) warms JAX's own caches (its jitted ``jnp`` helpers, which every
 contender shares; jaxamp nests no ``jax.jit`` of its own in a step);
 ``--cold`` clears them before every compile instead (``jax.clear_caches()``).
 On a loaded machine the CPU ratio is the steadier one. The median of
@@ -269,25 +270,29 @@ def compile_seconds(step: Callable, args: tuple, cold: bool) -> tuple[float, flo
   return time.perf_counter() - wall, time.process_time() - cpu, compiled
 
 
+Builder = Callable[[str], tuple[Callable, tuple]]
+
+
 def run_compiles(
-  part: str,
-  repeats: int,
-  builder: Callable[[str], tuple[Callable, tuple]],
-  hlo_dir: str | None,
-  cold: bool,
+  part: str, repeats: int, builder: Builder, warm: Builder, hlo_dir: str | None, cold: bool
 ) -> list[dict]:
+  """``repeats`` compiles of each contender's ``builder`` step, interleaved,
+  after one untimed compile of each ``warm`` step (the same code on shapes
+  that warm JAX's own caches)."""
+  for name in CONTENDERS:
+    step, args = warm(name)
+    w, _, _ = compile_seconds(step, args, cold)
+    print(f"  {part}, {name}: warm-up compile {w:.2f} s", flush=True)
   wall: dict[str, list[float]] = {name: [] for name in CONTENDERS}
   cpu: dict[str, list[float]] = {name: [] for name in CONTENDERS}
   facts = {}
-  for r in range(repeats + 1):  # the first round warms JAX's own caches, not timed
+  for _ in range(repeats):
     for name in CONTENDERS:
       step, args = builder(name)
       w, c, compiled = compile_seconds(step, args, cold)
-      if r == 0:
+      if name not in facts:
         facts[name] = hlo_facts(compiled)
         dump_hlo(hlo_dir, f"{part} {name}", compiled)
-        print(f"  {part}, {name}: warm-up compile {w:.2f} s", flush=True)
-        continue
       wall[name].append(w)
       cpu[name].append(c)
       print(f"  {part}, {name}: compiled in {w:.2f} s ({c:.2f} s of CPU)", flush=True)
@@ -326,7 +331,7 @@ def lm_shapes(quick: bool) -> tuple[Any, Any, jax.ShapeDtypeStruct, str]:
   return model, params, tokens, what
 
 
-def lm_builder(quick: bool) -> tuple[Callable[[str], tuple[Callable, tuple]], str]:
+def lm_builder(quick: bool) -> tuple[Builder, str]:
   model, params, tokens, what = lm_shapes(quick)
 
   def build(name: str) -> tuple[Callable, tuple]:
@@ -336,7 +341,7 @@ def lm_builder(quick: bool) -> tuple[Callable[[str], tuple[Callable, tuple]], st
   return build, what
 
 
-def tree_builder(n_leaves: int) -> tuple[Callable[[str], tuple[Callable, tuple]], str]:
+def tree_builder(n_leaves: int) -> tuple[Builder, str]:
   shapes = small_layers(n_leaves)
   params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
 
@@ -389,6 +394,13 @@ def revision(path: str) -> str:
     return rev + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
+
+
+def save(path: str | None, result: dict[str, Any]) -> None:
+  """Writes the figures so far (after each part: a run cut short keeps them)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=1)
 
 
 def target_note(key: tuple, ratio: float) -> str:
@@ -447,7 +459,7 @@ def main() -> None:
     flush=True,
   )
   result: dict[str, Any] = {"hardware": hardware, "meta": meta, "args": vars(args)}
-  lines = []
+  tables = []  # printed as each part ends, and all again at the end
   if "step" in parts:
     table, info = run_steps(args.mix, args.repeats, args.hlo_dir)
     result["step"] = {**info, "repeats": args.repeats, "rows": table}
@@ -455,7 +467,7 @@ def main() -> None:
       f"\n## Step time: {info['mix']} ({info['tree']}), float32 grads, "
       f"median of {args.repeats}, ratio to the finite adam step\n"
     )
-    lines += [title, STEP_HEADER, "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    lines = [title, STEP_HEADER, "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for row in table:
       note = target_note(("step", row["contender"], row["grads"]), row["ratio"])
       lines.append(
@@ -464,17 +476,23 @@ def main() -> None:
         f"{row['cpu_ms']:.1f} | {row['cpu_ratio']:.2f} | {note} | "
         f"{facts_note(row['hlo'])} |"
       )
+    tables.append("\n".join(lines))
+    print(tables[-1], flush=True)
+    save(args.json, result)
   builders = []
   if "compile-lm" in parts:
-    builders.append(("compile-lm", *lm_builder(args.quick)))
+    build, what = lm_builder(args.quick)
+    builders.append(("compile-lm", build, build, what))
   if "compile-tree" in parts:
-    builders.append(("compile-tree", *tree_builder(args.leaves)))
-  for part, build, what in builders:
-    table = run_compiles(part, args.compile_repeats, build, args.hlo_dir, args.cold)
+    # 6 leaves hold each of the 3,000's shapes: enough to warm JAX's caches.
+    build, what = tree_builder(args.leaves)
+    builders.append(("compile-tree", build, tree_builder(6)[0], what))
+  for part, build, warm, what in builders:
+    table = run_compiles(part, args.compile_repeats, build, warm, args.hlo_dir, args.cold)
     result[part] = {"what": what, "repeats": args.compile_repeats, "rows": table}
     cold = " (caches cleared)" if args.cold else ""
     title = f"\n## Compile time, {part}: {what}; median of {args.compile_repeats}{cold}\n"
-    lines += [title, COMPILE_HEADER, "|---|---:|---|---:|---:|---:|---|---|---:|---:|"]
+    lines = [title, COMPILE_HEADER, "|---|---:|---|---:|---:|---:|---|---|---:|---:|"]
     for row in table:
       every = ", ".join(f"{s:.2f}" for s in row["all_s"])
       note = target_note(("compile", row["contender"]), row["ratio"])
@@ -482,12 +500,13 @@ def main() -> None:
         f"| {row['contender']} | {row['median_s']:.2f} | {every} | {row['ratio']:.2f} | "
         f"{row['median_cpu_s']:.2f} | {row['cpu_ratio']:.2f} | {note} | {facts_note(row['hlo'])} |"
       )
+    tables.append("\n".join(lines))
+    print(tables[-1], flush=True)
+    save(args.json, result)
   meta["load_average_end"] = os.getloadavg()
-  print("\n".join(lines))
+  print("\n# All parts" + "".join(f"\n{table}" for table in tables))
   print(f"\n# load average at the end {os.getloadavg()[0]:.2f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+  save(args.json, result)
 
 
 if __name__ == "__main__":
