@@ -19,7 +19,9 @@ Each jaxamp contender runs a ``finite`` row and a ``skip`` row (one inf in the
 middle leaf's gradient, so every step is skipped); each row has its own params
 and state, and every ratio is to the finite plain-Adam step. Each step is
 compiled first (``.lower(...).compile()``), 2 warm-up rounds are left out,
-and every call ends in ``jax.block_until_ready``.
+and every call ends in ``jax.block_until_ready``. Besides wall time, each row
+gives the process's CPU time and its minor page faults per step (the fresh
+pages of a temporary buffer XLA allocates on every call).
 
 Compile time (``compile-lm`` and ``compile-tree`` parts): wall time, and the
 process's CPU time (all threads), of
@@ -64,6 +66,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import time
@@ -93,7 +96,7 @@ TARGETS = {  # issue 40: step ratios to the finite plain-Adam step, compile rati
 
 
 STEP_HEADER = (
-  "| contender | grads | median ms | p10-p90 ms | / adam | CPU ms | / adam, CPU | target "
+  "| contender | grads | median ms | p10-p90 ms | / adam | CPU ms | / adam, CPU | faults | target "
   "| fusions / copies / whiles / conds | temp MiB | aliased |"
 )
 COMPILE_HEADER = (
@@ -229,14 +232,17 @@ def run_steps(mix: str, repeats: int, hlo_dir: str | None) -> tuple[list[dict], 
       rows.append({"contender": name, "grads": which, "state": [params, tx.init(params)]})
   times: dict[int, list[float]] = {i: [] for i in range(len(rows))}
   cpu: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+  faults: dict[int, list[int]] = {i: [] for i in range(len(rows))}
   for _ in range(repeats + 2):  # the first two are warm-up
     for i, row in enumerate(rows):
       params, opt_state = row["state"]
+      start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start, start_cpu = time.perf_counter(), time.process_time()
       out = compiled[row["contender"]](params, opt_state, grads[row["grads"]])
       jax.block_until_ready(out)
       times[i].append(time.perf_counter() - start)
       cpu[i].append(time.process_time() - start_cpu)
+      faults[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
       row["state"] = list(out)
   base, base_cpu = statistics.median(times[0][2:]), statistics.median(cpu[0][2:])
   table = []
@@ -252,6 +258,7 @@ def run_steps(mix: str, repeats: int, hlo_dir: str | None) -> tuple[list[dict], 
         "ratio": float(np.median(ms)) / (base * 1e3),
         "cpu_ms": statistics.median(cpu[i][2:]) * 1e3,
         "cpu_ratio": statistics.median(cpu[i][2:]) / base_cpu,
+        "page_faults": statistics.median(faults[i][2:]),
         "hlo": facts[row["contender"]],
       }
     )
@@ -467,13 +474,13 @@ def main() -> None:
       f"\n## Step time: {info['mix']} ({info['tree']}), float32 grads, "
       f"median of {args.repeats}, ratio to the finite adam step\n"
     )
-    lines = [title, STEP_HEADER, "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    lines = [title, STEP_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for row in table:
       note = target_note(("step", row["contender"], row["grads"]), row["ratio"])
       lines.append(
         f"| {row['contender']} | {row['grads']} | {row['median_ms']:.1f} | "
         f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f} | {row['ratio']:.2f} | "
-        f"{row['cpu_ms']:.1f} | {row['cpu_ratio']:.2f} | {note} | "
+        f"{row['cpu_ms']:.1f} | {row['cpu_ratio']:.2f} | {row['page_faults']:.0f} | {note} | "
         f"{facts_note(row['hlo'])} |"
       )
     tables.append("\n".join(lines))
