@@ -1,9 +1,7 @@
 """``GradScaler``: torch's ``torch.amp.GradScaler``, method for method, for JAX.
 
-The torch state machine around the loss-scale core (``_torch.core.advance``,
-shared with :func:`~jaxamp.dynamic_loss_scale`, so both give the same scale and
-skips, bit for bit): torch's per-optimizer stages and flags
-(:mod:`scaler_stages`) over what the scaler holds (:mod:`scaler_state`).
+torch's iteration (:mod:`scaler_stages`) over what the scaler holds
+(:mod:`scaler_state`) and the core :func:`~jaxamp.dynamic_loss_scale` shares.
 """
 
 from __future__ import annotations
@@ -66,29 +64,10 @@ def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore
 class GradScaler(ScalerState):
   """torch's ``GradScaler`` for JAX: the same methods, messages and arithmetic.
 
-  torch -> jaxamp (docs/grad_scaler.md has the three reference loops)::
-
-    torch.amp.GradScaler("cuda", ...)     -> jaxamp.GradScaler("cuda", ...)  (device ignored)
-    torch.optim.SGD(params, lr)           -> opt = jaxamp.Optimizer(optax.sgd(lr), params)
-    scaler.scale(loss).backward()         -> opt.grads = jax.grad(
-                                                 lambda p: scaler.scale(loss_fn(p)))(opt.params)
-    scaler.unscale_(optimizer)            -> scaler.unscale_(opt)   (unscales opt.grads)
-    clip_grad_norm_(params, 1.0)          -> change opt.grads (e.g. clip it)
-    scaler.step(optimizer)                -> scaler.step(opt)
-    scaler.update()                       -> scaler.update()
-    scaler.state_dict() / load_state_dict -> the same; torch's format, both ways
-
-  The methods change ``self`` (and the optimizer) in place, as in torch. To run
-  an iteration under ``jax.jit``, pass the scaler and the optimizers in and
-  return them: inside ``jit`` the methods change the traced copies. The
-  scaler is a pytree: the core's arrays and the recorded found_inf flags are
-  its children; the configuration and the stages are static. Where it
-  deliberately differs from torch: docs/torch_semantics.md.
-
-  Its constructor (:class:`ScalerState`'s ``__init__``) takes torch's
-  arguments, ``device`` first, then the options of
-  :func:`~jaxamp.dynamic_loss_scale` but ``axis_name`` and ``param_labels``, as
-  Python numbers.
+  The methods change the scaler and the optimizer in place, as in torch; to run
+  an iteration under ``jax.jit``, pass both in and return them (a pytree whose
+  children are the core's arrays and the found_inf flags). docs/grad_scaler.md
+  maps torch's loop line by line; docs/torch_semantics.md lists the differences.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -107,9 +86,8 @@ class GradScaler(ScalerState):
   # -- pytree -------------------------------------------------------------------
 
   def tree_flatten(self) -> tuple[tuple, tuple]:
-    # The static half is read from the static fields only (a found_inf that is
-    # None is a None child, not a flag): eqx.partition replaces the array
-    # children by None, and both halves must carry the same static data.
+    # Static data from static fields only: eqx.partition turns the array children
+    # into None, and both halves must carry the same static data.
     keys = tuple(self._states)
     children = (self._core, tuple(self._states[k].found_inf for k in keys))
     by_key = tuple((k, self._states[k].stage) for k in keys)
@@ -132,9 +110,7 @@ class GradScaler(ScalerState):
       raise RuntimeError(stages.NOT_SCALED.format(funcname))
 
   def _check_not_captured(self, funcname: str, values: Any) -> None:
-    """Raises if ``values`` are traced by ``jit`` but this scaler is not: it was
-    captured from outside the jitted function, where the scale is a frozen
-    constant and ``update`` would leak a tracer into the Python object."""
+    """Raises if ``values`` are traced but the scaler is not: captured from outside."""
     if isinstance(self._core.loss_scale, jax.core.Tracer):
       return
     if traced(values):
@@ -149,10 +125,8 @@ class GradScaler(ScalerState):
   def scale(self, outputs: Any) -> Any:
     """Multiplies ``outputs`` (an array, or nested lists/tuples of arrays) by the scale.
 
-    The product has torch's dtype (that of :func:`~jaxamp.scale_loss`): a
-    0-dim float16/bfloat16/float32 loss gives float32 (so ``float16(2.0)``
-    times 65536 is 131072, not inf); float64 stays float64; a >=1-dim
-    low-precision array keeps its dtype. Disabled: returns ``outputs`` itself.
+    In torch's dtype, as :func:`~jaxamp.scale_loss`: a 0-dim loss gives float32,
+    float64 stays float64. Disabled: returns ``outputs`` itself.
 
     Args:
       outputs: the loss, a floating array, or nested lists/tuples of them.
@@ -183,9 +157,7 @@ class GradScaler(ScalerState):
         return multiply_by_scale(value, self._core.loss_scale)
       if isinstance(value, (list, tuple)):
         scaled = [apply(v) for v in value]
-        if hasattr(value, "_fields"):  # a namedtuple
-          return type(value)(*scaled)
-        return type(value)(scaled)
+        return type(value)(*scaled) if hasattr(value, "_fields") else type(value)(scaled)
       raise ValueError(
         f"{stages.OUTPUTS} (jaxamp: got {type(value).__name__}; pass a JAX array, "
         "or a list/tuple of them)"
@@ -249,13 +221,10 @@ class GradScaler(ScalerState):
   def step(self, optimizer: Optimizer, **extra_args: Any) -> None:
     """Applies ``optimizer``'s update unless its own gradients held inf/NaN.
 
-    Unscales first if ``unscale_`` was not called. The update runs under
-    ``lax.cond``: on a skipped step ``params`` are returned untouched, bit for
-    bit, and so is ``opt_state`` but for its schedules' counts, which advance
-    as torch's ``scheduler.step()`` (``schedule_counts``; Adam's own count
-    does not advance). ``opt.grads`` holds
-    the unscaled gradients afterwards, inf/NaN included. Keyword arguments are
-    passed to ``tx.update``. Disabled: ``optimizer.step(**extra_args)``.
+    Unscales first if ``unscale_`` was not called. A skipped step leaves
+    ``params`` and ``opt_state`` as they were, but for the schedules' counts
+    (``schedule_counts``); ``opt.grads`` holds the unscaled gradients afterwards.
+    Disabled: ``optimizer.step(**extra_args)``.
 
     Args:
       optimizer: the :class:`Optimizer` to step; ``optimizer.grads`` holds the
@@ -277,28 +246,20 @@ class GradScaler(ScalerState):
     record = self._states.get(key, stages.READY)
     if record.stage is Stage.STEPPED:
       raise RuntimeError(stages.STEP_TWICE)
-    nonfinite = None
     if record.stage is Stage.READY:
       grads, found_inf, nonfinite = self._unscaled(optimizer)
     else:
-      grads, found_inf = optimizer.grads, record.found_inf
+      grads, found_inf, nonfinite = optimizer.grads, record.found_inf, None
     if found_inf is None:
       raise RuntimeError(stages.NO_CHECKS_OPTIMIZER)
     if grads is None:  # zero_grad() after unscale_: torch's step updates nothing
       self._states = {**self._states, key: Record(Stage.STEPPED, found_inf)}
       return
-    static = (optimizer.tx, self._config.schedule_counts)
+    static, arrays = (optimizer.tx, self._config.schedule_counts), arrays_only(optimizer.params)
     params, opt_state = call_compiled(
-      _step_unless,
-      static,
-      found_inf,
-      grads,
-      arrays_only(optimizer.params),
-      optimizer.opt_state,
-      extra_args,
+      _step_unless, static, found_inf, grads, arrays, optimizer.opt_state, extra_args
     )
     params = with_non_arrays(params, optimizer.params)
-
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     if nonfinite is not None:
       optimizer.nonfinite_leaves = nonfinite
@@ -308,11 +269,9 @@ class GradScaler(ScalerState):
   def update(self, new_scale: float | jax.Array | None = None) -> None:
     """Updates the scale from this iteration's found_inf flags, and resets the stages.
 
-    One backoff if any optimizer recorded inf/NaN (however many did), else one
-    step towards growth: torch's ``_amp_update_scale_``, bit for bit, with the
-    options, as in :func:`~jaxamp.dynamic_loss_scale`; the counters advance.
-    ``new_scale`` sets the scale instead, as given (not clamped: the bounds
-    apply from the next ``update()``), leaving the trackers and counters.
+    One backoff if any optimizer recorded inf/NaN, else one step towards growth,
+    torch's rule bit for bit with the options. ``new_scale`` sets the scale
+    instead, unclamped, leaving the trackers and counters.
 
     Args:
       new_scale: ``None``, or a finite float / 0-dim floating-point array.
@@ -345,14 +304,11 @@ class GradScaler(ScalerState):
     stages.release(self)
 
   def nonfinite_leaf_paths(self, optimizer: Optimizer) -> list[str]:
-    """Names (tree paths in ``optimizer.params``) of the gradient leaves that
-    held inf/NaN the last time this scaler found inf/NaN in ``optimizer``'s
-    gradients (so the last time its step was skipped); ``[]`` if never.
+    """The paths in ``optimizer.params`` of the gradient leaves that held inf/NaN
+    at its last skipped step (``[]`` if none); a host read, outside ``jit``.
 
     Args:
       optimizer: the :class:`Optimizer` whose last skipped step is asked about.
-
-    A host read: call it outside ``jit``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
