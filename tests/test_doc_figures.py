@@ -186,3 +186,49 @@ def test_doc_figures_pages_name_no_internal_process(page):
   text = page.read_text()
   found = [m.group(0) for pattern in INTERNAL for m in re.finditer(pattern, text, re.IGNORECASE)]
   assert not found, f"{page.name}: {found}"
+
+
+def _result(scenario: str, api: str, param_diff: float):
+  from parity.engine import Result
+
+  return Result(scenario, api, steps=3, param_rtol=1e-5, state_rtol=1e-5, max_param_diff=param_diff)
+
+
+def test_doc_figures_report_rewrites_only_its_section(registry, tmp_path):
+  from parity import report
+
+  page = tmp_path / "parity.md"
+  before, after = "# Parity\n\nprose before\n\n", "\n\nprose after\n"
+  page.write_text(f"{before}{report.DOCS_BEGIN}\nold report\n{report.DOCS_END}{after}")
+  results = [_result("a", "optax", 2e-7), _result("a", "grad_scaler", 3e-7)]
+  for _ in range(2):  # a second run replaces the first one's section
+    report.write_docs(results, page, "somewhere")
+    text = page.read_text()
+    assert text.startswith(before + report.DOCS_BEGIN) and text.endswith(report.DOCS_END + after)
+    assert text.count(report.DOCS_BEGIN) == 1 and "old report" not in text
+    assert "on somewhere: 1 scenarios, 2 runs in 0 s." in text
+    assert "\n2 of 2 runs match torch.\n" in text
+    assert "| 1e-05 / 1e-05 | `a` | 3.0e-07 / 0.0e+00 |" in text
+
+
+@pytest.mark.parametrize(
+  "args, content",
+  [
+    (["--scenario", "linear_defaults"], None),  # a partial run
+    (["--api", "optax"], None),
+    ([], "# no markers\n"),
+  ],
+  ids=["scenario", "api", "no_markers"],
+)
+def test_doc_figures_parity_refuses_to_write_a_partial_or_unmarked_report(
+  registry, tmp_path, capsys, args, content
+):
+  from parity import report
+  from parity.__main__ import main
+
+  page = tmp_path / "parity.md"
+  page.write_text(content or f"{report.DOCS_BEGIN}\n{report.DOCS_END}\n")
+  original = page.read_text()
+  assert main([*args, "--docs", str(page), "--no-png", "--no-progress"]) == 2  # before any run
+  assert page.read_text() == original
+  assert capsys.readouterr().err.startswith("parity: ")
