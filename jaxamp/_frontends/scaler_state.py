@@ -1,9 +1,5 @@
-"""What a ``GradScaler`` holds: built from its options, read and set as torch does.
-
-The constructor (torch's arguments, ``device`` included, and the options of
-:func:`~jaxamp.dynamic_loss_scale`), the scale and counters as arrays, torch's
-getters and setters, state dicts, copies and pickles. The iteration itself
-(``scale``, ``unscale_``, ``step``, ``update``) is :mod:`grad_scaler`'s.
+"""What a ``GradScaler`` holds: its constructor, getters, setters, state dicts and
+copies, as torch's. The iteration (``scale`` to ``update``) is :mod:`grad_scaler`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from typing import Any, ParamSpec
 import jax
 
 from jaxamp._config import LossScaleConfig, loss_scale_config
-from jaxamp._frontends.checkpoint import STATE_DICT_KEYS, check_state_dict
+from jaxamp._frontends.checkpoint import HYPERPARAMETERS, check_state_dict
 from jaxamp._frontends.scaler_stages import PICKLE, Record
 from jaxamp._hyperparams import check_flag, python_number
 from jaxamp._torch.core import LossScaleCore, init_core, int32_array, scale_array
@@ -42,12 +38,8 @@ _DISABLED = LossScaleConfig(
 
 
 def _called_as_torch(init: Callable[P, None]) -> Callable[P, None]:
-  """``init``, called as torch's constructors are: torch.amp's ``GradScaler(device,
-  init_scale, ...)``, or torch.cuda.amp's ``GradScaler(init_scale, growth_factor,
-  backoff_factor, growth_interval, enabled)``, a number where the device stands,
-  which moves the positional arguments one place on. Arguments that do not bind
-  are a ``jaxamp`` TypeError naming the ones it takes (Python's would name
-  ``ScalerState``)."""
+  """``init`` called as torch.amp's ``GradScaler(device, ...)`` or torch.cuda.amp's
+  ``GradScaler(init_scale, ...)``; arguments that do not bind are a jaxamp TypeError."""
   signature = inspect.signature(init)
 
   @functools.wraps(init)
@@ -65,8 +57,7 @@ def _called_as_torch(init: Callable[P, None]) -> Callable[P, None]:
 
 
 class ScalerState:
-  """The state half of :class:`~jaxamp.GradScaler` (its constructor, getters,
-  setters and state dicts); see there."""
+  """The state half of :class:`~jaxamp.GradScaler`; see there."""
 
   _config: LossScaleConfig
   _core: LossScaleCore
@@ -93,12 +84,8 @@ class ScalerState:
     schedule_counts: str = "iterations",
   ) -> None:
     """Creates a scaler: torch's arguments, then :func:`~jaxamp.dynamic_loss_scale`'s
-    options (but ``axis_name`` and ``param_labels``) as Python numbers, keyword-only.
-
-    One default differs from :func:`~jaxamp.dynamic_loss_scale`'s, to keep
-    torch's semantics in a torch port: ``schedule_counts="iterations"``. The
-    options apply at ``update()``, to the found_inf combined over all optimizers
-    (``detect_unscale_overflow``: at ``unscale_``/``step``).
+    options (but ``axis_name`` and ``param_labels``) as Python numbers, keyword-only;
+    ``schedule_counts`` defaults to torch's ``"iterations"``.
 
     Args:
       device: torch.amp's device string (``"cuda"``, ``"cpu"``, ``"xpu"``, ...), accepted
@@ -163,9 +150,7 @@ class ScalerState:
   # -- copies and pickles -----------------------------------------------------------
 
   def __getstate__(self) -> dict[str, Any]:
-    """What ``copy``, ``deepcopy`` and ``pickle`` keep: as torch, only between
-    iterations (the records name optimizers by identity, which a copy cannot keep),
-    and the copy starts unowned, like a scaler before its first ``scale()`` at the
+    """Only between iterations, as torch; the copy starts as a fresh scaler at the
     current scale and tracker (docs/torch_semantics.md §1.10)."""
     if self._enabled and self._states:
       raise RuntimeError(
@@ -210,26 +195,21 @@ class ScalerState:
 
   @property
   def consecutive_skipped_updates(self) -> jax.Array:
-    """Such ``update()`` calls since the last clean one, int32 ``[]``; the count
-    ``max_consecutive_skips`` is checked against."""
+    """Such ``update()`` calls since the last clean one (``max_consecutive_skips``)."""
     return self._core_field("consecutive_skipped_steps", 0)
 
   @property
   def hysteresis_tracker(self) -> jax.Array:
-    """Overflowing updates still tolerated before a backoff, int32 ``[]``
-    (always 1 with ``hysteresis=1``, torch's rule)."""
+    """Overflowing updates still tolerated before a backoff, int32 ``[]``."""
     return self._core_field("hysteresis_tracker", 1)
 
   # -- getters and setters --------------------------------------------------------
 
   def get_scale(self) -> float | int | jax.Array:
-    """The scale as a Python number; inside ``jit``, as a float32 ``[]`` array.
+    """The scale as a Python number (a host read); inside ``jit``, a float32 ``[]``.
 
-    torch code that reads it inside the iteration (the gradient penalty's
-    ``1. / scaler.get_scale()``, clipping still-scaled gradients at
-    ``max_norm * scaler.get_scale()``) so runs unchanged under ``jax.jit``.
-    Outside ``jit`` it is a host read. Before the first ``scale()``, the
-    ``init_scale`` (or loaded scale) as given, as torch; 1.0 when disabled.
+    So torch code reading it mid-iteration (``1. / scaler.get_scale()``) runs
+    under ``jax.jit``. Before the first ``scale()``, ``init_scale`` as given.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp
@@ -307,50 +287,28 @@ class ScalerState:
   # -- checkpoints ------------------------------------------------------------------
 
   def state_dict(self) -> dict[str, Any]:
-    """torch's five keys, in torch's order, as plain Python values ({} if disabled).
-
-    Loads into ``torch.amp.GradScaler.load_state_dict`` (and back), continuing
-    the run bit for bit. A host read: call outside ``jit``.
-    """
+    """torch's five keys, in its order, as Python values ({} if disabled); a host read."""
     if not self._enabled:
       return {}
-    config = self._config
-    values = (
-      self.get_scale(),
-      config.growth_factor,
-      config.backoff_factor,
-      config.growth_interval,
-      self._get_growth_tracker(),
-    )
-    return dict(zip(STATE_DICT_KEYS, values))
+    in_use = {name: getattr(self._config, name) for name in HYPERPARAMETERS}
+    return {"scale": self.get_scale(), **in_use, "_growth_tracker": self._get_growth_tracker()}
 
   def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-    """Loads a dict saved by torch's or jaxamp's ``state_dict()``.
-
-    Everything is checked before anything changes (torch applies the keys one
-    by one). The per-optimizer stages are kept, as torch. Disabled: does nothing.
+    """Loads a dict saved by torch's or jaxamp's ``state_dict()``, checked whole
+    first; the per-optimizer stages are kept, as torch. Disabled: does nothing.
 
     Args:
-      state_dict: what ``state_dict()`` returned, torch's or jaxamp's (``scale``,
-        ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``).
+      state_dict: what torch's or jaxamp's ``state_dict()`` returned.
 
     Raises:
-      RuntimeError: an empty dict (torch's message); a scale beyond float32 or
-        a tracker beyond int32.
-      KeyError: a missing key. ValueError: unexpected keys; a scale that is
-        not finite and positive.
-      TypeError: a value of the wrong type.
+      TypeError, KeyError, ValueError, RuntimeError: a bad state dict
+        (:func:`jaxamp.load_state_dict` lists them); nothing is loaded.
     """
     if not self._enabled:
       return
     checked = check_state_dict(state_dict)
-    self._config = self._config.replace(
-      init_scale=checked["scale"],
-      growth_factor=checked["growth_factor"],
-      backoff_factor=checked["backoff_factor"],
-      growth_interval=checked["growth_interval"],
-    )
+    in_use = {name: checked[name] for name in HYPERPARAMETERS}
+    self._config = self._config.replace(init_scale=checked["scale"], **in_use)
     self._init_growth_tracker = checked["_growth_tracker"]
     self._core = self._core._replace(
       loss_scale=scale_array(checked["scale"]),
