@@ -751,7 +751,7 @@ SCENARIOS: list[Scenario] = [
   ),
   Scenario(
     "gan",
-    "Optimizers that step one after the other with one scale (issue #31): a "
+    "Optimizers that step one after the other with one scale: a "
     "least-squares GAN, Adam on the discriminator (d.*), then Adam on the generator "
     "(g.*), whose loss reads the discriminator just stepped; torch's "
     "scaler.step(opt_d); scaler.step(opt_g); scaler.update() (optax: "
