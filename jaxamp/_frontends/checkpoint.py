@@ -1,23 +1,7 @@
 """torch's ``GradScaler.state_dict`` format, read and written for jaxamp states.
 
-torch saves five plain Python values, in this order (docs/torch_semantics.md §1.9)::
-
-  {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-   "growth_interval": 2000, "_growth_tracker": 0}
-
-:func:`state_dict` and :func:`load_state_dict` convert between that dict and the
-:class:`~jaxamp.DynamicLossScaleState` inside an optax state, so a run moves
-between torch and JAX in both directions and continues bit for bit. The
-hyperparameters are those the state records (its transformation's, or those
-``optax.inject_hyperparams`` holds): nothing else can be written, and a dict
-with others is refused. ``jaxamp.GradScaler`` uses the same format and checks.
-
-Deliberate differences from torch's ``load_state_dict``: the dict is checked
-completely before anything is applied (torch applies keys one by one), extra
-keys are an error (torch ignores them), values must be Python or NumPy numbers
-of the right kind, and a scale that is not a finite positive float32 number,
-or a tracker beyond int32, is refused (torch loads them, or fails at the next
-``scale()``; a NaN scale would skip every later step).
+Its five keys, checked whole before anything loads, and the optax form's
+:func:`state_dict` and :func:`load_state_dict` (docs/torch_semantics.md §1.9).
 """
 
 from __future__ import annotations
@@ -44,13 +28,16 @@ from jaxamp._torch.core import int32_array, scale_array
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 HYPERPARAMETERS = ("growth_factor", "backoff_factor", "growth_interval")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The C++ type torch fills each int with, and its range.
+_INTEGERS = {
+  "growth_interval": ("int64_t", -(2**63), 2**63 - 1),
+  "_growth_tracker": ("int", INT32_MIN, INT32_MAX),
+}
 
 EMPTY_STATE_DICT_MESSAGE = (
   "The source state dict is empty, possibly because it was saved from a "
   "disabled instance of GradScaler."
 )
-INT_OVERFLOW_MESSAGE = "value cannot be converted to type int without overflow"
 
 
 def _plain(value: Any) -> Any:
@@ -69,35 +56,23 @@ def _real(key: str, value: Any) -> float | int:
   return _plain(value)
 
 
-def _integer(key: str, value: Any, low: int, high: int, message: str) -> int:
+def _integer(key: str, value: Any) -> int:
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
     raise TypeError(
       f"jaxamp: state dict entry {key!r} must be an int, got "
       f"{type(value).__name__} {value!r}; nothing was loaded."
     )
-  value = int(value)
+  value, (ctype, low, high) = int(value), _INTEGERS[key]
   if not low <= value <= high:
-    raise RuntimeError(f"{message} (jaxamp: {key}={value}; nothing was loaded)")
+    raise RuntimeError(
+      f"value cannot be converted to type {ctype} without overflow "
+      f"(jaxamp: {key}={value}; nothing was loaded)"
+    )
   return value
 
 
-def _beyond_float32(value: float) -> bool:
-  """A finite number (a Python int of any size included) beyond the float32 range."""
-  if isinstance(value, numbers.Integral):
-    return abs(value) > FLT_MAX
-  return math.isfinite(value) and abs(value) > FLT_MAX
-
-
 def check_state_dict(state_dict: Any) -> dict[str, Any]:
-  """Validates a torch-format state dict and returns it with plain Python values.
-
-  Raises:
-    TypeError: ``state_dict`` is not a mapping, or a value has the wrong type.
-    RuntimeError: the dict is empty (torch's message), the scale is a finite
-      number beyond the float32 range, or the tracker is beyond int32.
-    ValueError: unexpected keys; a scale that is not finite and positive in float32.
-    KeyError: a key is missing.
-  """
+  """Validates a torch-format state dict and returns it with plain Python values."""
   if not isinstance(state_dict, Mapping):
     raise TypeError(f"jaxamp: a state dict must be a mapping, got {type(state_dict).__name__}.")
   if len(state_dict) == 0:
@@ -115,7 +90,8 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
       f"{list(STATE_DICT_KEYS)}; nothing was loaded."
     )
   scale = _real("scale", state_dict["scale"])
-  if _beyond_float32(scale):
+  # A finite number beyond float32 (an int of any size: math.isfinite would overflow).
+  if (isinstance(scale, numbers.Integral) or math.isfinite(scale)) and abs(scale) > FLT_MAX:
     raise RuntimeError(
       f"{FLOAT_OVERFLOW_MESSAGE} (jaxamp: scale={scale!r} is beyond the float32 "
       "range; nothing was loaded)"
@@ -123,22 +99,8 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
   check_scale("the state dict's scale", scale)
   return {
     "scale": scale,
-    "growth_factor": _real("growth_factor", state_dict["growth_factor"]),
-    "backoff_factor": _real("backoff_factor", state_dict["backoff_factor"]),
-    "growth_interval": _integer(
-      "growth_interval",
-      state_dict["growth_interval"],
-      _INT64_MIN,
-      _INT64_MAX,
-      "value cannot be converted to type int64_t without overflow",
-    ),
-    "_growth_tracker": _integer(
-      "_growth_tracker",
-      state_dict["_growth_tracker"],
-      INT32_MIN,
-      INT32_MAX,
-      INT_OVERFLOW_MESSAGE,
-    ),
+    **{key: _real(key, state_dict[key]) for key in ("growth_factor", "backoff_factor")},
+    **{key: _integer(key, state_dict[key]) for key in _INTEGERS},
   }
 
 
@@ -160,8 +122,9 @@ def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
   return found
 
 
-def hyperparameters_in_use(opt_state: Any) -> dict[str, Any]:
-  """torch's three hyperparameters, as the jaxamp state in ``opt_state`` uses them."""
+def _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval) -> dict[str, Any]:
+  """torch's three hyperparameters as the jaxamp state uses them, checked against
+  those given (``None``: not given)."""
   opt_state = opt_state_of(opt_state)
   config = find_loss_scale_state(opt_state).config
   injected = _injected_hyperparameters(opt_state)
@@ -175,6 +138,8 @@ def hyperparameters_in_use(opt_state: Any) -> dict[str, Any]:
         "whose state holds the value) to save a state dict."
       )
     in_use[name] = _plain(value)
+  given = dict(zip(HYPERPARAMETERS, (growth_factor, backoff_factor, growth_interval)))
+  _check_hyperparameters(in_use, given, "the call")
   return in_use
 
 
@@ -188,14 +153,6 @@ def _check_hyperparameters(in_use: dict[str, Any], given: dict[str, Any], where:
       )
 
 
-def _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval) -> dict[str, Any]:
-  """The hyperparameters in use, checked against those given (``None``: not given)."""
-  in_use = hyperparameters_in_use(opt_state)
-  given = dict(zip(HYPERPARAMETERS, (growth_factor, backoff_factor, growth_interval)))
-  _check_hyperparameters(in_use, given, "the call")
-  return in_use
-
-
 def state_dict(
   opt_state: Any,
   *,
@@ -205,11 +162,9 @@ def state_dict(
 ) -> dict[str, Any]:
   """The loss-scale state of ``opt_state`` as torch's ``GradScaler.state_dict()``.
 
-  The hyperparameters are the ones the state records: those
-  :func:`~jaxamp.dynamic_loss_scale` was built with, or the current values of
-  ``optax.inject_hyperparams``. The result loads into
-  ``torch.amp.GradScaler.load_state_dict`` and continues the run bit for bit.
-  It reads the arrays on the host: call it outside ``jit``.
+  With the hyperparameters the state records (its transformation's, or
+  ``optax.inject_hyperparams``'s); it loads into torch and continues the run bit
+  for bit. A host read: call it outside ``jit``.
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``
@@ -257,14 +212,9 @@ def load_state_dict(
 ) -> Any:
   """Returns ``opt_state`` with the scale and growth tracker of ``state_dict``.
 
-  ``state_dict`` is one saved by torch's ``GradScaler.state_dict()`` (also after
-  ``torch.save``/``torch.load``) or by :func:`state_dict`. Its hyperparameters
-  must be the ones the optimizer uses (build :func:`~jaxamp.dynamic_loss_scale`
-  with the saved ones). The scale is rounded to float32 as torch's ``fill_``
-  does; every other part of ``opt_state`` (inner optimizer state, skip
-  counters) is kept. The tree keeps its structure and container types: the
-  fields of an ``nnx.Optimizer``'s state stay ``nnx`` variables
-  (``optimizer.opt_state = jaxamp.load_state_dict(optimizer.opt_state, sd)``).
+  Its hyperparameters must be the ones in use; the scale is rounded to float32
+  as torch's ``fill_`` does, and the rest of ``opt_state`` (``nnx`` variables
+  included) is kept as it is.
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``.
@@ -277,9 +227,11 @@ def load_state_dict(
     A new optimizer state of the same structure.
 
   Raises:
-    TypeError, KeyError, ValueError, RuntimeError: a bad state dict (see
-      ``check_state_dict``) or hyperparameters other than the ones in use;
-      nothing is loaded.
+    TypeError: not a mapping, or a value of the wrong kind. KeyError: a missing
+      key. ValueError: unexpected keys; a scale not finite and positive in
+      float32; hyperparameters other than the ones in use. RuntimeError: an
+      empty dict (torch's message); a scale beyond float32 or a tracker beyond
+      int32. Nothing is loaded.
 
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
