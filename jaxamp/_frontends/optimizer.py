@@ -1,17 +1,4 @@
-"""``Optimizer``: a torch-style optimizer handle for ``jaxamp.GradScaler``.
-
-torch's optimizer owns its parameters, and each parameter carries its ``.grad``;
-``scaler.unscale_(optimizer)`` and ``scaler.step(optimizer)`` reach both
-through the optimizer. JAX has no such object, so this handle bundles the four
-things those calls need: an optax transformation, its parameters, its state,
-and the current gradients.
-
-It is a JAX pytree (``params``, ``opt_state``, ``grads`` and
-``nonfinite_leaves`` are its children;
-the transformation is static), so it can be passed to and returned from a
-jitted function. Its methods change the Python object in place, as torch does;
-inside ``jit`` they change the traced copy, which the function returns.
-"""
+"""``Optimizer``: a torch-style optimizer handle for ``jaxamp.GradScaler``, and one update."""
 
 from __future__ import annotations
 
@@ -31,36 +18,21 @@ _KEYS = itertools.count()
 class Optimizer:
   """An optax transformation with its params, state and grads, as a torch optimizer.
 
-  torch -> jaxamp::
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-                              -> opt = jaxamp.Optimizer(optax.sgd(0.1), params)
-    optimizer.zero_grad()     -> opt.zero_grad()          (grads = None)
-    loss.backward()           -> opt.grads = jax.grad(loss_fn)(opt.params)
-    param.grad                -> opt.grads                (a tree like opt.params)
-    optimizer.step()          -> opt.step()
-
-  ``grads`` starts as zeros shaped like ``params``, so that the handle has the
-  same pytree structure before and after an iteration, and a jitted training
-  step compiles once. ``zero_grad()`` sets it to ``None`` (torch's default
-  ``set_to_none=True``); assign the new gradients before the next step.
+  torch's optimizer owns its parameters and their ``.grad``; this handle bundles
+  what ``scaler.unscale_`` and ``scaler.step`` need (docs/grad_scaler.md maps the
+  calls). A pytree (``tx`` static): pass it to a jitted function and return it.
+  ``grads`` starts as zeros like ``params``, so a jitted step compiles once.
 
   Attributes:
     tx: the optax transformation (static: it is part of the pytree structure).
     params: the parameter tree.
     opt_state: ``tx``'s state.
     grads: the current gradients, a tree like ``params``, or ``None``.
-    nonfinite_leaves: for each leaf of ``params`` (``jax.tree.leaves`` order; a
-      non-array leaf, such as an Equinox module's activation, is never set),
-      whether its gradient held inf/NaN the last time a ``jaxamp.GradScaler``
-      found inf/NaN in ``grads``, bool ``[n_leaves]``; read it with
-      ``scaler.nonfinite_leaf_paths(opt)``. Not recorded for gradients whose
-      tree differs from ``params``.
+    nonfinite_leaves: per leaf of ``params``, whether its gradient held inf/NaN at
+      the last skipped step, bool ``[n_leaves]`` (``scaler.nonfinite_leaf_paths``).
 
-  A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``) is a new optimizer to a
-  ``GradScaler``, as torch keys its records by ``id(optimizer)``: unscaling the
-  original does not count as unscaling the copy. (A pytree rebuilt by JAX,
-  inside ``jit``, is the same optimizer.)
+  A copy or pickle is a new optimizer to a ``GradScaler`` (torch keys by ``id``);
+  a pytree rebuilt by JAX inside ``jit`` is the same one.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -72,15 +44,9 @@ class Optimizer:
   """
 
   def __init__(
-    self,
-    tx: optax.GradientTransformation,
-    params: Any,
-    *,
-    opt_state: Any = None,
-    grads: Any = None,
+    self, tx: optax.GradientTransformation, params: Any, *, opt_state: Any = None, grads: Any = None
   ):
-    """Creates the handle; ``opt_state`` defaults to ``tx.init(params)`` and
-    ``grads`` to zeros like ``params``."""
+    """``opt_state`` defaults to ``tx.init(params)``, ``grads`` to zeros like ``params``."""
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
         f"jaxamp.Optimizer takes an optax.GradientTransformation first, got {type(tx).__name__}."
@@ -93,9 +59,7 @@ class Optimizer:
     self._key = next(_KEYS)
 
   def zero_grad(self, set_to_none: bool = True) -> None:
-    """Forgets the gradients, as torch's ``zero_grad()``: ``grads = None``, or
-    zeros like ``params`` with ``set_to_none=False`` (the pytree structure then
-    stays the same, so a jitted accumulation step does not trace again).
+    """Forgets the gradients, as torch's ``zero_grad()``.
 
     Args:
       set_to_none: ``True`` (torch's default) sets ``grads`` to ``None``,
@@ -125,9 +89,7 @@ class Optimizer:
       self.grads = jax.tree.map(_add, self.grads, grads, is_leaf=is_none)
 
   def updated(self, grads: Any, **extra_args: Any) -> tuple[Any, Any]:
-    """The ``(params, opt_state)`` after one ``tx`` update with ``grads``.
-
-    Pure: the handle is not changed. ``extra_args`` go to ``tx.update``.
+    """The ``(params, opt_state)`` after one ``tx`` update with ``grads``; pure.
 
     Args:
       grads: the gradients to apply, a tree like ``params``.
@@ -136,13 +98,8 @@ class Optimizer:
     return updated(self.tx, grads, self.opt_state, self.params, **extra_args)
 
   def step(self, **extra_args: Any) -> None:
-    """Applies ``grads`` unconditionally, as torch's ``optimizer.step()``.
-
-    Without a scaler, or under a disabled one. Nothing happens when ``grads``
-    is ``None`` (torch skips parameters without a gradient).
-
-    A ``None`` leaf of ``grads`` is no update for its parameter, as in optax
-    (torch's optimizers skip a parameter whose ``.grad`` is ``None``).
+    """Applies ``grads`` unconditionally, as torch's ``optimizer.step()``; a ``None``
+    gradient (or leaf) updates nothing, as torch skips a parameter without ``.grad``.
 
     Args:
       **extra_args: passed to ``tx.update``.
@@ -154,7 +111,6 @@ class Optimizer:
     if self.grads is None:
       return
     self.params, self.opt_state = self.updated(self.grads, **extra_args)
-    return
 
   def __getstate__(self) -> dict[str, Any]:
     return {k: v for k, v in self.__dict__.items() if k != "_key"}
