@@ -30,13 +30,8 @@ def opt_state_of(holder: Any) -> Any:
 
 
 def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
-  """Returns the one :class:`DynamicLossScaleState` inside ``opt_state``.
-
-  It may sit anywhere: bare, in ``optax.chain``, ``optax.multi_transform``,
-  ``optax.inject_hyperparams``, ``optax.MultiSteps``, a ``flax.nnx.Optimizer``
-  (its fields are then ``nnx`` variables) or a ``TrainState``. It reads any
-  of these; :func:`jaxamp.get_loss_scale` and :func:`jaxamp.scale_loss` also
-  refuse the placements where the scaler does not see the gradients as given.
+  """Returns the one :class:`DynamicLossScaleState` inside ``opt_state``, wherever
+  it sits (``optax.chain``, ``inject_hyperparams``, an ``nnx.Optimizer``, ...).
 
   Args:
     opt_state: an optimizer state, an ``nnx.Optimizer`` or a ``TrainState``.
@@ -84,20 +79,9 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
 
 
 def check_placement(opt_state: Any) -> None:
-  """Raises ValueError unless the one jaxamp state in ``opt_state`` belongs to a
-  ``dynamic_loss_scale`` that receives the gradients of the scaled loss as given.
-
-  Refused: a transformation chained in front of it (``optax.chain(clip,
-  dynamic_loss_scale(sgd))``: the clip would see scaled gradients),
-  ``optax.MultiSteps`` around it (use :func:`jaxamp.accumulate_gradients`), and a
-  ``dynamic_loss_scale`` inside another (unscaled twice). Anything may come after
-  it in a chain, and ``optax.inject_hyperparams``, ``optax.multi_transform`` and
-  :func:`jaxamp.accumulate_gradients` may hold it. Reads only the state's
-  structure: it works on traced states and costs no device work.
-
-  Raises:
-    ValueError: as :func:`find_loss_scale_state`, or the placement is refused.
-  """
+  """Raises ValueError unless the one jaxamp state in ``opt_state`` sees the
+  gradients of the scaled loss as given: not behind a transformation chained in
+  front, not inside ``optax.MultiSteps``, not inside another. Reads the structure only."""
   root = opt_state_of(opt_state)
   flat, _ = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_loss_scale_state)
   paths = [path for path, node in flat if is_loss_scale_state(node)]
@@ -125,6 +109,8 @@ def field_array(field: Any) -> jax.Array:
 def get_loss_scale(opt_state: Any) -> jax.Array:
   """The current loss scale (float32 ``[]``) from a state holding a jaxamp state.
 
+  Outside ``jit``, a copy that outlives a donation of the state.
+
   Args:
     opt_state: an optimizer state holding one :func:`dynamic_loss_scale` state,
       or an ``nnx.Optimizer`` or ``TrainState`` holding one.
@@ -135,9 +121,6 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
     ...     optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1)), init_scale=1024.0)
     >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(3)})))
     1024.0
-
-  Outside ``jit`` it returns a copy, which a later step that donates the state
-  does not delete; inside ``jit``, the traced value itself.
 
   Raises:
     ValueError: there is no jaxamp state or more than one, or it does not see
@@ -159,12 +142,8 @@ def outliving_donation(value: jax.Array) -> jax.Array:
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-  """``loss * loss_scale``, in float32 for a float16/bfloat16/float32 loss.
-
-  A float16 loss times the default scale 65536 would be inf in float16; the
-  product here is float32, as torch's 0-dim float16 loss times its float32
-  scale (a float64 loss gives float64). The same product as
-  ``GradScaler.scale``. Differentiate this and pass the gradients to the optimizer.
+  """``loss * loss_scale``, in float32 for a float16/bfloat16/float32 loss (as torch:
+  float16 would overflow), float64 for float64. Differentiate this.
 
   Args:
     loss: the loss, a floating array (float32 recommended).
@@ -190,8 +169,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
-  """Names (tree paths) of the gradient leaves that held inf/NaN in the last
-  skipped step. Call it outside the jitted step: it reads the flags to the host.
+  """The paths of the gradient leaves that held inf/NaN at the last skipped step; a
+  host read, outside ``jit``.
 
   Args:
     opt_state: an optimizer state (or holder) with one jaxamp state.
