@@ -72,8 +72,7 @@ def key_of(optimizer: Any) -> int:
 
 
 def under_jit(x: Any) -> bool:
-  """Whether ``x`` is traced by ``jit`` (not only differentiated eagerly: a
-  ported torch loop calls ``jax.grad(lambda p: scaler.scale(...))`` outside jit)."""
+  """Whether ``x`` is traced by ``jit``, not only differentiated outside it."""
   while isinstance(x, jax.core.Tracer) and hasattr(x, "primal"):  # JVP, linearize
     x = x.primal
   return isinstance(x, jax.core.Tracer)
@@ -86,11 +85,8 @@ _OWNER_LOCK = threading.Lock()
 
 def claim(scaler: Any, funcname: str) -> None:
   """Makes the calling thread the owner of ``scaler``'s iteration (``scale`` to
-  ``update``), refusing a second live thread: torch's iteration spans several
-  calls and ``update`` consumes every optimizer's flags, so interleaved threads
-  would mix their iterations. A thread that has ended owns nothing: an iteration
-  it left unfinished (it raised) does not lock the scaler, and the next thread
-  continues from the stages it left, as torch (docs/torch_semantics.md §1.13)."""
+  ``update``), refusing a second live thread, whose flags would mix with its own;
+  a thread that has ended owns nothing (docs/torch_semantics.md §1.13)."""
   me = threading.current_thread()
   with _OWNER_LOCK:
     owner = scaler.__dict__.get("_owner")
@@ -113,8 +109,7 @@ def release(scaler: Any) -> None:
 
 
 def in_iteration(method):
-  """Wraps a method that claims the scaler for its thread (:func:`claim`): if the
-  call raises, the claim it made is undone, as every other change of a refused call."""
+  """Wraps a method that claims the scaler (:func:`claim`): a call that raises undoes it."""
 
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
