@@ -29,16 +29,15 @@ class AccumulateGradientsState(NamedTuple):
 
 
 class AccumulateGradients(optax.GradientTransformationExtraArgs):
-  """The transformation :func:`accumulate_gradients` returns; it keeps ``inner``
-  and ``every_k`` so that ``jaxamp.apply_scaled_updates`` can run its fast path."""
+  """:func:`accumulate_gradients`' transformation, with the ``inner`` and ``every_k``
+  that ``jaxamp.apply_scaled_updates`` reads."""
 
   inner: optax.GradientTransformationExtraArgs
   every_k: int
 
 
 def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
-  """This window's gradients so far, ``grads`` included (``acc + grads``); a
-  ``None`` gradient stays ``None`` (no update for its leaf)."""
+  """``acc + grads``, this window's gradients so far; a ``None`` gradient stays ``None``."""
 
   def add(acc: Any, g: Any) -> Any:
     return None if g is None or acc is None else acc + g.astype(acc.dtype)
@@ -46,17 +45,11 @@ def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
   return jax.tree.map(add, state.acc_grads, grads, is_leaf=is_none)
 
 
-def window_ends(state: AccumulateGradientsState, every_k: int) -> jax.Array:
-  """Whether this call is its window's last: ``>=``, not ``==``, so that a state
-  saved mid-window by a longer window (``every_k=4`` resumed with ``every_k=2``)
-  ends its window on the next call instead of counting past it forever."""
-  return state.mini_step >= every_k - 1
-
-
 def at_window_end(state: AccumulateGradientsState, every_k: int, end, hold, *operands: Any):
   """``end(*operands)`` on a window's last call, else ``hold(*operands)``: the
   one place a window is closed (the optax form and ``apply_scaled_updates``)."""
-  return engine.cond(window_ends(state, every_k), end, hold, *operands)
+  # >=, not ==: a state saved mid-window of a longer window ends on its next call.
+  return engine.cond(state.mini_step >= every_k - 1, end, hold, *operands)
 
 
 def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
@@ -73,18 +66,10 @@ def within_window(state: AccumulateGradientsState, total: Any) -> AccumulateGrad
 def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> AccumulateGradients:
   """Sums the gradients of ``every_k`` calls and passes the sum to ``inner`` on the last.
 
-  torch's accumulation, line for line: each ``loss.backward()`` adds into
-  ``param.grad``, ``scaler.step`` / ``scaler.update`` run at the end of the
-  window, and ``zero_grad()`` starts the next one from zero. Around
-  :func:`~jaxamp.dynamic_loss_scale` the scale stays fixed inside a window and
-  is updated once per window; a window with an inf or NaN is skipped and the
-  next starts from zero. Unlike ``optax.MultiSteps`` it sums rather than
-  averages (a torch loop divides its loss by ``iters_to_accumulate``), and it
-  resets with zeros, where ``MultiSteps``' ``0 * acc`` turns an inf into a NaN
-  that poisons every later window. Calls within a window return zero updates.
-  A state saved mid-window and restored into a shorter window (a smaller
-  ``every_k``) that it has already filled ends its window on the next call,
-  on the sum so far.
+  torch's accumulation (docs/optax.md): around :func:`~jaxamp.dynamic_loss_scale`
+  the scale is fixed within a window and a window with inf/NaN is skipped. It
+  sums (divide the loss by ``every_k``) and restarts from zeros, unlike
+  ``optax.MultiSteps``; calls within a window return zero updates.
 
   Args:
     inner: the transformation run once per window on the summed gradients.
