@@ -494,7 +494,7 @@ for _name, _front in [
         functools.partial(lambda front: optax.chain(front, _tx()), _front),
       ),
       ValueError,
-      r"does not see the gradients as given.*Put other transformations inside it",
+      r"does not see the gradients as given.*Move them inside the scaler: jaxamp.dynamic_loss_scale",
       id=f"apply_scaled_updates-{_name}-in-front",
     )
   )

@@ -268,7 +268,7 @@ def test_apply_scaled_updates_with_disabled_scaler_is_plain_update():
 def test_apply_scaled_updates_rejects_transform_that_changes_grads_first():
   tx = optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
   params = {"w": jnp.ones(2)}
-  with pytest.raises(ValueError, match="apply_updates instead"):
+  with pytest.raises(ValueError, match="sums them before it checks them"):
     jax.jit(_helper_step(tx))({"w": jnp.ones(2)}, tx.init(params), params)
 
 

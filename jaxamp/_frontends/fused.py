@@ -35,32 +35,50 @@ from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.fma_guard import rounded_updates
 from jaxamp._xla.layout import row_major
 
-_IN_FRONT = (
-  "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see "
-  "the gradients as given ({}). Put other transformations inside it, "
-  "dynamic_loss_scale(optax.chain(...)), or call tx.update and optax.apply_updates instead."
-)
+_IN_FRONT = "jaxamp.apply_scaled_updates: the dynamic_loss_scale inside tx does not see the gradients as given: "
+
+
+def _holds_scaler(node: Any) -> bool:
+  leaves = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, DynamicLossScaleState))
+  return any(isinstance(x, DynamicLossScaleState) for x in leaves)
 
 
 def _check_sees_grads_as_given(opt_state: Any) -> None:
   """Raises unless the jaxamp state is where its transformation receives the
   gradients unchanged: bare, inside ``optax.inject_hyperparams``, or first in
   ``optax.chain``, recursively, under at most an outermost ``accumulate_gradients``
-  (whose window sum the fast path checks)."""
+  (whose window sum the fast path checks). Calling ``tx.update`` instead is no
+  way out: what stands in front of the scaler sees the still-scaled gradients."""
   # A layout, not a type, is wrong here: ValueError, as documented.
   root = isinstance(opt_state, AccumulateGradientsState)
   node = opt_state.inner_state if root else opt_state
   while not isinstance(node, DynamicLossScaleState):
     if isinstance(node, (optax.MultiStepsState, AccumulateGradientsState)):
-      name = "optax.MultiSteps" if isinstance(node, optax.MultiStepsState) else "an inner"
-      what = "accumulates them first; only an outermost jaxamp.accumulate_gradients can"
-      raise ValueError(_IN_FRONT.format(f"{name} around it {what}"))  # noqa: TRY004
+      name = (
+        "optax.MultiSteps"
+        if isinstance(node, optax.MultiStepsState)
+        else "an inner accumulate_gradients"
+      )
+      raise ValueError(  # noqa: TRY004
+        f"{_IN_FRONT}{name} around it sums them before it checks them. Accumulate outside "
+        "the scaler, as torch does: jaxamp.accumulate_gradients(jaxamp.dynamic_loss_scale(inner), k)."
+      )
     if isinstance(node, INJECT_STATES):
       node = node.inner_state
     elif type(node) is tuple and node:  # optax.chain
+      ahead = next(i for i, part in enumerate(node) if _holds_scaler(part))
+      if ahead:
+        raise ValueError(
+          f"{_IN_FRONT}{ahead} transformation(s) of optax.chain stand in front of it and "
+          "would transform the still-scaled gradients (a clip would clip at the scaled "
+          "norm). Move them inside the scaler: jaxamp.dynamic_loss_scale(optax.chain(..., inner))."
+        )
       node = node[0]
     else:
-      raise ValueError(_IN_FRONT.format(f"it sits inside a {type(node).__name__}, not first"))
+      raise ValueError(
+        f"{_IN_FRONT}it is nested in a {type(node).__name__} state. Make dynamic_loss_scale "
+        "the outermost transformation (inside optax.inject_hyperparams or first in optax.chain)."
+      )
 
 
 def apply_scaled_updates(
@@ -115,8 +133,8 @@ def apply_scaled_updates(
 
   Raises:
     ValueError: ``opt_state`` holds no jaxamp state; ``tx`` does not check
-      ``grads`` as given (then call ``tx.update`` and ``optax.apply_updates``);
-      another ``axis_name`` than the transform's.
+      ``grads`` as given (a transformation in front of the scaler, or
+      ``optax.MultiSteps`` around it); another ``axis_name`` than the transform's.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
