@@ -367,6 +367,26 @@ def _():
   return lambda: jaxamp.GradScaler(device=None), []
 
 
+@case("GradScaler-step-stacked-scaler", ValueError, r"holds a jaxamp.dynamic_loss_scale, a second")
+def _():
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  opt = jaxamp.Optimizer(jaxamp.dynamic_loss_scale(optax.sgd(1.0)), _params())
+  opt.grads = _grads(opt.params)
+  scaler.scale(jnp.float32(1.0))
+  return lambda: scaler.step(opt), [scaler, opt]
+
+
+@case(
+  "GradScaler-unscale_-stacked-scaler", ValueError, r"holds a jaxamp.dynamic_loss_scale, a second"
+)
+def _():
+  scaler = jaxamp.GradScaler(init_scale=4.0)
+  opt = jaxamp.Optimizer(jaxamp.dynamic_loss_scale(optax.sgd(1.0)), _params())
+  opt.grads = _grads(opt.params)
+  scaler.scale(jnp.float32(1.0))
+  return lambda: scaler.unscale_(opt), [scaler, opt]
+
+
 @case("GradScaler-init_scale-jax-array", TypeError, r"static Python numbers")
 def _():
   scale = jnp.float32(2.0)
