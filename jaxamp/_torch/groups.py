@@ -1,17 +1,8 @@
 """Several optimizers, one scale: torch's per-optimizer skip in the optax form.
 
-torch skips each optimizer whose own gradients hold inf/NaN, and backs the
-one shared scale off once. :func:`~jaxamp.dynamic_loss_scale` does the same
-when given ``{label: transformation}`` and ``param_labels`` (as
-``optax.multi_transform`` takes them): a group is skipped only when its own
-gradients are not finite.
-
-Optimizers that step one after the other (a GAN's discriminator, then its
-generator, whose loss reads the discriminator just updated) share the scale
-the same way: each ``update`` steps the groups that have gradients (``None``
-for a group not stepped now), and ``update_scale=False`` holds the scale's
-advance until the last group of the iteration has stepped, as torch's
-``scaler.step(opt_d); scaler.step(opt_g); scaler.update()``.
+With ``{label: transformation}`` and ``param_labels``, a group is skipped only when
+its own gradients are not finite; ``update_scale=False`` holds the scale's advance
+for groups that step one after the other (a GAN; docs/optax.md).
 """
 
 from __future__ import annotations
@@ -47,9 +38,8 @@ class ParamLabels:
     return f"ParamLabels({self.labels!r})"
 
   def of(self, grads: Any) -> list[Any]:
-    """The label of each array leaf of ``grads``, in ``jax.tree.leaves`` order
-    (a ``None`` gradient has none); the labels may be a prefix of the
-    gradients' tree, as ``optax.multi_transform`` takes them."""
+    """The label of each array leaf of ``grads`` (the labels may be a prefix of
+    the gradients' tree, as ``optax.multi_transform`` takes them)."""
     labels = self.labels(grads) if callable(self.labels) else self.labels
     grad_leaves, grad_def = jax.tree.flatten(grads, is_leaf=is_none)
 
@@ -73,11 +63,8 @@ def grouped(
   labels: ParamLabels,
   stepped: Any = None,
 ):
-  """``optax.multi_transform(inner, labels)``, checked; with ``stepped`` (the
-  labels that have gradients), the other groups are not stepped: their
-  transformation is not called and their state comes back as it was (torch:
-  an optimizer whose ``step()`` is not called; optax's Adam would count a
-  step of ``None`` gradients)."""
+  """``optax.multi_transform(inner, labels)``, checked; with ``stepped`` (the labels
+  with gradients), the other groups' transformations are not called at all."""
   if not isinstance(inner, Mapping) or not all(
     isinstance(tx, optax.GradientTransformation) for tx in inner.values()
   ):
@@ -104,9 +91,8 @@ def _idle(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class SteppedGroups:
-  """The groups stepped with ``update_scale=False`` since the scale last
-  advanced, in the order they stepped: static (part of the state's tree
-  structure, no leaves), so misuse is found while tracing, with no host read."""
+  """The groups stepped with ``update_scale=False`` since the scale last advanced:
+  static, so misuse is found while tracing."""
 
   labels: tuple = ()
 
@@ -117,11 +103,8 @@ class SteppedGroups:
 def check_steps(
   pending: SteppedGroups, labels: list[Any] | None, update_scale: Any, has_groups: bool
 ) -> tuple[Any, ...]:
-  """The groups this update steps (``labels``: those of its gradients),
-  checked against the ones stepped since the scale last advanced. Raises,
-  before anything changes, what torch refuses (stepping an optimizer twice
-  before ``update()``, an ``update()`` with nothing stepped) and an
-  ``update_scale`` that cannot be kept."""
+  """The groups this update steps (``labels``: its gradients'), checked against
+  ``pending``: what torch refuses (a step twice, an update with none) raises."""
   if not isinstance(update_scale, (bool, np.bool_)):
     raise TypeError(
       f"jaxamp: update_scale must be True or False (a Python bool: it decides the "
