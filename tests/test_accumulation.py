@@ -69,3 +69,16 @@ def test_accumulate_gradients_state_restored_into_a_longer_window_keeps_counting
     updates, state = tx4.update(ones, state, PARAMS)
     outs.append(float(updates["w"][0]))
   assert outs == [0.0, 0.0, -0.5 * 4.0]
+
+
+@pytest.mark.parametrize("every_k", [0, 2**31, True, 2.0])
+def test_accumulate_gradients_refuses_every_k_outside_int32_windows(every_k):
+  with pytest.raises(ValueError, match=r"every_k must be an int from 1 to 2\*\*31 - 1"):
+    jaxamp.accumulate_gradients(optax.sgd(0.1), every_k)
+
+
+def test_accumulate_gradients_takes_the_largest_int32_window():
+  tx = jaxamp.accumulate_gradients(optax.sgd(0.1), 2**31 - 1)
+  params = {"w": jnp.ones(2)}
+  updates, state = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
+  assert updates["w"].tolist() == [0.0, 0.0] and int(state.mini_step) == 1

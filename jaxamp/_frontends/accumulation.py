@@ -87,8 +87,15 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
     >>> updates["w"].tolist()
     [-3.0]
   """
-  if isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral) or every_k < 1:
-    raise ValueError(f"jaxamp: every_k must be an int >= 1, got {every_k!r}.")
+  if (
+    isinstance(every_k, bool)
+    or not isinstance(every_k, numbers.Integral)
+    or not 1 <= every_k <= 2**31 - 1
+  ):
+    raise ValueError(
+      f"jaxamp: every_k must be an int from 1 to 2**31 - 1 (the window's count is an "
+      f"int32), got {every_k!r}."
+    )
   every_k = int(every_k)
   inner = optax.with_extra_args_support(inner)
 
