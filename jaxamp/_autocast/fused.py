@@ -19,7 +19,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxamp._autocast.modes import OFF, region
-from jaxamp._autocast.policies import F32, FUSED_F32, FUSED_FUNCTIONS, HALF
+from jaxamp._autocast.policies import BIAS_LAYERS, F32, FUSED_F32, FUSED_FUNCTIONS, HALF
 
 if TYPE_CHECKING:
   from jaxamp._autocast.interpreter import Interpreter
@@ -42,6 +42,19 @@ def _code_op(code: Any) -> str | None:
     if qualname == name and filename.endswith(suffix):
       return op
   return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_layer(code: Any) -> bool:
+  """Whether ``code`` is the call of a library's linear or conv layer (``BIAS_LAYERS``)."""
+  filename = code.co_filename.replace("\\", "/")
+  qualname = getattr(code, "co_qualname", code.co_name)
+  return any(qualname == name and filename.endswith(suffix) for suffix, name in BIAS_LAYERS)
+
+
+def in_layer(eqn: Any) -> bool:
+  """Whether ``eqn`` was traced inside a library's linear or conv layer."""
+  return any(_is_layer(code) for code in _frames(eqn)[0])
 
 
 def _frames(eqn: Any) -> tuple[tuple[Any, ...], tuple[int, ...]]:

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jaxamp._autocast.fused import fused_dtype, fused_spans, run_fused
+from jaxamp._autocast.fused import fused_dtype, fused_spans, in_layer, run_fused
 from jaxamp._autocast.higher_order import HIGHER_ORDER, bind_params
 from jaxamp._autocast.modes import AS_WRITTEN_SCOPE, Mode, region, tracing_regions
 from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER
@@ -128,8 +128,8 @@ class Interpreter:
       if _is_literal(x):  # a NumPy constant (a Python scalar to torch) stays one
         return origins.converted(eqn, x, np.asarray(x, eqn.params["new_dtype"]))
       return origins.converted(eqn, x, kept_bfloat16(eqn.primitive.bind(x, **eqn.params), x.dtype))
-    if name in ("broadcast_in_dim", "reshape", "expand_dims"):
-      return origins.reshaped(eqn, args[0], self._bind(eqn, args))
+    if name in ("broadcast_in_dim", "reshape", "expand_dims", "squeeze", "transpose"):
+      return origins.reshaped(eqn, args[0], self._bind(eqn, args), bind_params(eqn))
     return self._bind(eqn, args)
 
   def _bind(self, eqn: Any, args: list[Any]) -> Any:
@@ -153,7 +153,9 @@ class Interpreter:
       for i in floats:
         if np.dtype(args[i].dtype) in HALF:
           args[i] = self.cast(args[i], F32)
-    elif name == "add" and dtype is not None and (bias_add := origins.bias_add(args)) is not None:
+    elif (
+      name == "add" and dtype is not None and (bias_add := origins.bias_add(args, in_layer(eqn)))
+    ):
       # A bias added to a matmul or conv output: torch's linear, addmm and conv
       # add their bias inside the op, in the lower dtype, rounding once.
       out, bias = bias_add

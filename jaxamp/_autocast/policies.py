@@ -67,6 +67,22 @@ ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod
 # evaluated as the original jaxpr had them.
 EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
 
+# The linear and conv layers of the JAX libraries, (file, qualified name): an add
+# of a value of the matmul's or conv's shape inside one is its bias, added inside
+# the op as torch's linear and conv do (docs/autocast.md, rule 1).
+BIAS_LAYERS = frozenset(
+  {
+    ("flax/linen/linear.py", "Dense.__call__"),
+    ("flax/linen/linear.py", "DenseGeneral.__call__"),
+    ("flax/linen/linear.py", "_Conv.__call__"),
+    ("flax/nnx/nn/linear.py", "Linear.__call__"),
+    ("flax/nnx/nn/linear.py", "LinearGeneral.__call__"),
+    ("flax/nnx/nn/linear.py", "Conv.__call__"),
+    ("equinox/nn/_linear.py", "Linear.__call__"),
+    ("equinox/nn/_conv.py", "Conv.__call__"),
+  }
+)
+
 # torch's fused ops: one kernel that computes in float32 and rounds its result
 # once, where JAX decomposes the op into primitives that each round. A call of
 # one of these functions is recognised in a jaxpr by the frame it leaves in its

@@ -45,9 +45,10 @@ class Origins:
 
   def __init__(self) -> None:
     self._kinds: dict[int, tuple[Any, str]] = {}  # holds the value: its id stays unique
-    # id(output of a matmul or conv in a half dtype) -> (output, primitive,
-    # params, its half operands): what a bias add needs to add inside the op.
-    self._lower: dict[int, tuple[Any, Any, dict[str, Any], list[Any]]] = {}
+    # id(output of a matmul or conv in a half dtype, or of its layout changes) ->
+    # (output, primitive, params, its half operands, the layout changes as
+    # (primitive, params)): what a bias add needs to add inside the op.
+    self._lower: dict[int, tuple[Any, Any, dict[str, Any], list[Any], tuple[Any, ...]]] = {}
 
   def mark(self, x: Any, kind: str | None) -> Any:
     if kind is not None:
@@ -61,12 +62,21 @@ class Origins:
   def lower(self, out: Any, primitive: Any, params: dict[str, Any], args: list[Any]) -> Any:
     """``out``, a matmul's or conv's half output, recorded for a bias add."""
     if len(args) == 2:
-      self._lower[id(out)] = (out, primitive, params, args)
+      self._lower[id(out)] = (out, primitive, params, args, ())
     return self.mark(out, "lower")
 
-  def reshaped(self, eqn: Any, x: Any, out: Any) -> Any:
-    """``out``, ``x`` broadcast or reshaped, marked with what it is to torch."""
+  def reshaped(self, eqn: Any, x: Any, out: Any, params: dict[str, Any]) -> Any:
+    """``out``, ``x`` broadcast, reshaped or transposed (``eqn`` with ``params``),
+    marked with what it is to torch. A matmul's or conv's output keeps being one
+    through a change of layout (``jax.vmap`` moves the batch axis, a library
+    reshapes the batch dimensions), so that its bias is still added inside."""
     kind = self.kind(x)
+    if kind == "lower" and np.size(x) == np.size(out):
+      hit = self._lower.get(id(x))
+      if hit is not None and hit[0] is x:
+        layout = (*hit[4], (eqn.primitive, params))
+        self._lower[id(out)] = (out, *hit[1:4], layout)
+      return self.mark(out, "lower")
     if kind == "scalar" or eqn.invars[0].aval.weak_type:
       return self.mark(out, "scalar")  # jnp.zeros_like, full, where(m, x, 0.)
     if kind in ("int", "zerodim"):
@@ -140,12 +150,18 @@ class Origins:
     out = eqn.primitive.bind(*[cast(x, wide) for x in args], **params)
     return cast(out, target)
 
-  def bias_add(self, args: list[Any]) -> tuple[Any, Any] | None:
-    """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` broadcast to it."""
+  def bias_add(self, args: list[Any], in_layer: bool) -> tuple[Any, Any] | None:
+    """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` to it: a value
+    broadcast to it (by jnp, or by the add itself: fewer elements), or, inside a
+    library's linear or conv layer (``in_layer``), one of its shape (Equinox's
+    ``Linear`` on one example, Flax's ``Dense`` on one vector)."""
     if len(args) != 2:
       return None
     for out, b in (args, args[::-1]):
-      if self.kind(out) == "lower" and self.kind(b) == "broadcast":
+      if self.kind(out) != "lower" or self.kind(b) == "lower":
+        continue
+      same = np.shape(b) == np.shape(out)
+      if self.kind(b) == "broadcast" or np.size(b) < np.size(out) or (same and in_layer):
         return out, b
     return None
 
@@ -156,29 +172,37 @@ class Origins:
     hit = self._lower.get(id(out))
     if hit is None or hit[0] is not out or np.ndim(bias) != np.ndim(out):
       return None
-    _, primitive, params, (lhs, rhs) = hit
-    return _with_bias(primitive, params, lhs, rhs, bias)
+    _, primitive, params, (lhs, rhs), layout = hit
+    return _with_bias(primitive, params, lhs, rhs, bias, layout)
 
 
-def _with_bias(primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias: Any) -> Any:
-  """``primitive(lhs, rhs) + bias`` (all in one half dtype) rounded once: the bias
-  is added to the float32 result before the rounding, as torch's kernels add it
-  to their accumulator. The derivative is torch's backward of ``linear``: half
-  matmuls of the half cotangent, and the bias gradient summed in float32 and
-  rounded once."""
+def _with_bias(
+  primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias: Any, layout: tuple = ()
+) -> Any:
+  """``primitive(lhs, rhs) + bias`` (all in one half dtype) rounded once, with the
+  ``layout`` changes (``(primitive, params)``) of the product before the add:
+  the bias is added to the float32 result before the rounding, as torch's
+  kernels add it to their accumulator. The derivative is torch's backward of
+  ``linear``: half matmuls of the half cotangent, and the bias gradient summed
+  in float32 and rounded once."""
   half = bias.dtype
   wide = dict(params, preferred_element_type=F32)
 
+  def relaid(x: Any) -> Any:
+    for change, change_params in layout:
+      x = change.bind(x, **change_params)
+    return x
+
   @jax.custom_jvp
   def fused(lhs: Any, rhs: Any, bias: Any) -> Any:
-    acc = primitive.bind(lhs, rhs, **wide)
+    acc = relaid(primitive.bind(lhs, rhs, **wide))
     return lax.convert_element_type(lax.add_p.bind(acc, bias.astype(F32)), half)
 
   def fused_jvp(primals: Any, tangents: Any) -> Any:
     lhs, rhs, bias = primals
     d_lhs, d_rhs, d_bias = tangents
     terms = [
-      primitive.bind(*operands, **params).astype(F32)  # half products, summed in float32
+      relaid(primitive.bind(*operands, **params)).astype(F32)  # half products, summed in float32
       for operands, d in (((d_lhs, rhs), d_lhs), ((lhs, d_rhs), d_rhs))
       if not isinstance(d, SymbolicZero)
     ]
