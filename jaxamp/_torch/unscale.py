@@ -34,15 +34,9 @@ def _subnormal_reciprocal_bits(bits: jax.Array) -> jax.Array:
 
 
 def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """torch's ``inv_scale``, ``(high, low)`` with ``inv_scale == high * low``
-  in exact arithmetic and both normal floats, and ``inv_scale == 1``.
-
-  XLA flushes a subnormal operand to zero, so ``g * inv_scale`` is computed as
-  ``(g * high) * low``, which is torch's correctly rounded product wherever
-  the result is a normal float. ``inv_scale == 1`` is torch's pass-through,
-  compared here once: compared in each leaf's unscale, XLA hoists one copy
-  per leaf out of the optax form's loop and carries each through it
-  (BENCHMARKS.md, "Compile time")."""
+  """torch's ``inv_scale``; ``(high, low)``, normal floats with ``high * low ==
+  inv_scale`` exactly, as XLA flushes a subnormal operand; and ``inv_scale == 1``,
+  compared once, not per leaf (BENCHMARKS.md, "Compile time")."""
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   bits = float_bits(loss_scale)
   sign = bits & ~0x7FFFFFFF
@@ -74,11 +68,7 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
 
 def inverse_scale(loss_scale: jax.Array) -> jax.Array:
   """Returns ``f32(1 / f64(loss_scale))``, torch's ``inv_scale``, bit for bit
-  (docs/torch_semantics.md §3.1).
-
-  A subnormal scale (which XLA would read as zero) and a scale above
-  ``2**126`` (whose reciprocal is subnormal, which XLA would flush to zero)
-  are handled exactly from their bits.
+  (docs/torch_semantics.md §3.1), subnormal scales and reciprocals included.
 
   Args:
     loss_scale: the scale, float32 ``[]``.
@@ -105,15 +95,9 @@ def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
 def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """Unscales ``grads`` and reports whether they held inf or NaN.
 
-  What torch's ``_amp_foreach_non_finite_check_and_unscale_`` does (docs/torch_semantics.md §3.2):
-
-  * detection looks at the still-scaled input, so an overflow produced by the
-    multiplication itself is not reported (as in torch);
-  * each gradient is multiplied by ``inv = f32(1 / f64(loss_scale))``, not
-    divided by the scale; float16 and bfloat16 are multiplied in float32 and
-    cast back, float64 by the float32-rounded ``inv``;
-  * when ``inv == 1`` the gradients pass through untouched;
-  * every gradient is unscaled even when some are not finite.
+  torch's ``_amp_foreach_non_finite_check_and_unscale_`` (docs/torch_semantics.md
+  §3.2): the still-scaled gradients are checked (an overflow of the unscaling
+  itself is not reported), then all multiplied by ``inv_scale``.
 
   Args:
     grads: a pytree of floating-point arrays (``None`` leaves pass through),
@@ -133,8 +117,9 @@ def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array
     >>> grads["w"].tolist(), bool(found_inf)
     ([1.0, inf], True)
   """
-  unscaled, finite = unscale_and_check_leaves(grads, loss_scale)
-  return unscaled, ~jnp.all(finite)
+  _check_loss_scale(loss_scale)
+  check_float_gradients(grads)
+  return unscale(grads, loss_scale), ~jnp.all(leaf_finite_flags(grads))
 
 
 def unscale(grads: Any, loss_scale: jax.Array) -> Any:
@@ -143,25 +128,18 @@ def unscale(grads: Any, loss_scale: jax.Array) -> Any:
 
 
 def unscale_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
-  """:func:`unscale` with the scale's :func:`inverse_parts` computed already.
-
-  Inside ``jit``, compute them outside the ``lax.cond`` whose branch unscales:
-  XLA would otherwise fuse their scalar arithmetic (some 60 operations) into
-  every leaf's kernel, where it runs per element
-  (BENCHMARKS.md, "Unscale factors").
-  """
+  """:func:`unscale` with :func:`inverse_parts` computed already: outside the
+  ``lax.cond``, or XLA fuses their scalar arithmetic into every leaf's kernel
+  (BENCHMARKS.md, "Unscale factors")."""
   return jax.tree.map(lambda g: _unscale_leaf(g, parts), grads)
 
 
 def unscale_finite_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
-  """:func:`unscale_by` for gradients known to be finite: an applied step's.
+  """:func:`unscale_by` for gradients known to be finite (an applied step's).
 
-  A float16 gradient is then ``f16(f32(g) * inv)``, one multiply and no
-  ``inv == 1`` select, which is torch's value for every finite float16 ``g``
-  at every scale: float16 values are normal floats in float32, and any
-  product XLA flushes (a float32 product below ``2**-126``, or one by a
-  subnormal ``inv``, which XLA reads as zero) rounds to a zero of the same
-  sign in float16. The other dtypes are unscaled as :func:`unscale_by` does.
+  A float16 gradient is then ``f16(f32(g) * inv)``, one multiply, no select:
+  torch's value for every finite float16 ``g`` at every scale, as any product
+  XLA flushes to zero rounds to that zero in float16 anyway.
   """
   inverse = parts[0]
 
@@ -175,10 +153,8 @@ def unscale_finite_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
 
 def _check_loss_scale(loss_scale: Any) -> None:
   dtype, shape = getattr(loss_scale, "dtype", None), getattr(loss_scale, "shape", ())
-  is_float = (
-    jnp.issubdtype(dtype, jnp.floating) if dtype is not None else (isinstance(loss_scale, float))
-  )
-  if not is_float:
+  is_float = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+  if not (is_float or isinstance(loss_scale, float)):
     raise TypeError(
       "jaxamp: loss_scale must be a float32 scalar (the state's loss_scale), got "
       f"{type(loss_scale).__name__} {loss_scale!r}."
@@ -188,13 +164,6 @@ def _check_loss_scale(loss_scale: Any) -> None:
       f"jaxamp: loss_scale must be a float32 scalar, got an array of shape {shape}; "
       "pass the state's loss_scale."
     )
-
-
-def unscale_and_check_leaves(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
-  """:func:`unscale_and_check` with the finiteness of each leaf (bool ``[n]``)."""
-  _check_loss_scale(loss_scale)
-  check_float_gradients(grads)
-  return unscale(grads, loss_scale), leaf_finite_flags(grads)
 
 
 def finite_leaves(grads: Any, loss_scale: jax.Array, detect_unscale_overflow: bool) -> jax.Array:
