@@ -27,10 +27,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import torch.nn.functional as F
 from flax import linen, nnx
+from jax.experimental import io_callback
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -40,7 +42,7 @@ pytestmark = pytest.mark.torch
 
 B, L, D, C, OUT, HEADS = 2, 6, 8, 4, 3, 2
 HALVES = {"float16": (jnp.float16, torch.float16), "bfloat16": (jnp.bfloat16, torch.bfloat16)}
-LAYERS = ("linear", "conv", "layer_norm", "mha")
+LAYERS = ("linear", "conv", "layer_norm", "rms_norm", "mha")
 LIBRARIES = ("linen", "nnx", "equinox")
 # "none": Flax layers on a batch, Equinox layers on one example (as each library
 # is written); "vmap_inside": autocast(vmap(f)); "vmap_outside": vmap(autocast(f)).
@@ -241,3 +243,266 @@ def test_layer_output_dtype_matches_torch_autocast(lib, layer, batching, inputs,
     f"{lib} {layer}, {batching}, {inputs} inputs, {half}, policy={policy!r}: "
     f"jaxamp {out.dtype}, torch {theirs}"
   )
+
+
+# -- ops of torch 2.13's compiled autocast lists ----------------------------------------------
+
+# name: (JAX function, torch function, JAX input shapes, torch input shapes)
+OPS = {
+  "logsumexp": (
+    lambda x: jax.nn.logsumexp(x, -1),
+    lambda x: torch.logsumexp(x, -1),
+    [(B, D)],
+    [(B, D)],
+  ),
+  "huber_loss": (
+    lambda a, b: optax.huber_loss(a, b, delta=1.0),
+    lambda a, b: F.huber_loss(a, b, reduction="none", delta=1.0),
+    [(B, D)] * 2,
+    [(B, D)] * 2,
+  ),
+  "upsample_nearest": (
+    lambda x: jax.image.resize(x, (B, C, 2 * L), "nearest"),
+    lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
+    [(B, C, L)],
+    [(B, C, L)],
+  ),
+  "upsample_linear": (
+    lambda x: jax.image.resize(x, (B, C, 2 * L), "linear"),
+    lambda x: F.interpolate(x, scale_factor=2, mode="linear"),
+    [(B, C, L)],
+    [(B, C, L)],
+  ),
+  "scaled_dot_product_attention": (  # JAX's (batch, seq, heads, dim), torch's (batch, heads, seq, dim)
+    jax.nn.dot_product_attention,
+    F.scaled_dot_product_attention,
+    [(B, L, HEADS, D)] * 3,
+    [(B, HEADS, L, D)] * 3,
+  ),
+  "linalg_vecdot": (jnp.linalg.vecdot, torch.linalg.vecdot, [(B, D)] * 2, [(B, D)] * 2),
+}
+
+
+@functools.cache
+def torch_op_dtype(op, inputs, half, policy):
+  """The output dtype of torch's ``op`` under autocast, on float32 inputs or on
+  half ones (``inputs="half"``: each multiplied by the identity first)."""
+  _, t_fn, _, shapes = OPS[op]
+  dtype = HALVES[half][1]
+  if policy == "cpu":
+    xs = [torch.randn(s) for s in shapes]
+    with torch.autocast("cpu", dtype):
+      return _name(t_fn(*[x @ torch.eye(x.shape[-1]) if inputs == "half" else x for x in xs]).dtype)
+  with _cuda_autocast(dtype):
+    xs = [torch.empty(s, device="cuda") for s in shapes]
+    if inputs == "half":
+      xs = [x @ torch.empty((s[-1],) * 2, device="cuda") for x, s in zip(xs, shapes)]
+    return _name(t_fn(*xs).dtype)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize("inputs", ["float32", "half"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_op_dtype_matches_torch_autocast_lists(op, inputs, half, policy):
+  j_fn, _, shapes, _ = OPS[op]
+
+  def fn(*xs):
+    return j_fn(*[x @ jnp.eye(x.shape[-1]) if inputs == "half" else x for x in xs])
+
+  rng = np.random.default_rng(0)
+  xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+  out = jax.eval_shape(jaxamp.autocast(fn, HALVES[half][0], policy=policy), *xs)
+  theirs = torch_op_dtype(op, inputs, half, policy)
+  assert _name(out.dtype) == theirs, (
+    f"{op}, {inputs} inputs, {half}, policy={policy!r}: jaxamp {out.dtype}, torch {theirs}"
+  )
+
+
+# -- one small model in each library ----------------------------------------------------------
+
+MODEL_LAYERS = ("dense_in", "ln", "attn", "rms", "conv", "dense_out")
+
+
+class TorchModel(nn.Module):
+  """A linear, LayerNorm, self-attention, RMSNorm, a convolution over the sequence,
+  a linear head; on (batch, seq, features)."""
+
+  def __init__(self, attention):
+    super().__init__()
+    self.dense_in = nn.Linear(D, D)
+    self.ln = nn.LayerNorm(D)
+    self.attn = attention
+    self.rms = nn.RMSNorm(D)
+    self.conv = nn.Conv1d(D, D, 3, padding=1)
+    self.dense_out = nn.Linear(D, OUT)
+
+  def forward(self, x):
+    h = self.ln(self.dense_in(x))
+    h = self.attn(h, h, h)
+    h = self.rms(h[0] if isinstance(h, tuple) else h)
+    # a contiguous copy: the fake CUDA tensors' conv wants one (the dtypes are the same)
+    h = h.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    return self.dense_out(self.conv(h).transpose(1, 2))
+
+
+@functools.cache
+def torch_model_dtypes(half, policy):
+  """The output dtype of each of ``TorchModel``'s layers under autocast."""
+  torch.manual_seed(0)
+  if policy == "cpu":
+    attention = nn.MultiheadAttention(D, HEADS, batch_first=True)
+  else:
+    attention = _Attention()
+  model = TorchModel(attention)
+  _, seen = torch_run(model, [torch.randn(B, L, D)], policy, half, hooks=True)
+  return {name: seen[name] for name in MODEL_LAYERS}
+
+
+class LinenModel(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    h = linen.LayerNorm(name="ln")(linen.Dense(D, name="dense_in")(x))
+    h = linen.MultiHeadDotProductAttention(num_heads=HEADS, name="attn")(h)
+    h = linen.Conv(D, (3,), padding=1, name="conv")(linen.RMSNorm(name="rms")(h))
+    return linen.Dense(OUT, name="dense_out")(h)
+
+
+class NnxModel(nnx.Module):
+  def __init__(self, rngs):
+    self.dense_in = nnx.Linear(D, D, rngs=rngs)
+    self.ln = nnx.LayerNorm(D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False, rngs=rngs)
+    self.rms = nnx.RMSNorm(D, rngs=rngs)
+    self.conv = nnx.Conv(D, D, (3,), padding=1, rngs=rngs)
+    self.dense_out = nnx.Linear(D, OUT, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.attn(self.ln(self.dense_in(x)))
+    return self.dense_out(self.conv(self.rms(h)))
+
+
+class EqxModel(eqx.Module):
+  """On one example (seq, features), each layer as Equinox applies it: the
+  per-vector layers mapped over the sequence; it returns every layer's output."""
+
+  dense_in: eqx.nn.Linear
+  ln: eqx.nn.LayerNorm
+  attn: eqx.nn.MultiheadAttention
+  rms: eqx.nn.RMSNorm
+  conv: eqx.nn.Conv1d
+  dense_out: eqx.nn.Linear
+
+  def __init__(self, key):
+    keys = jax.random.split(key, 4)
+    self.dense_in = eqx.nn.Linear(D, D, key=keys[0])
+    self.ln = eqx.nn.LayerNorm(D)
+    self.attn = eqx.nn.MultiheadAttention(HEADS, D, key=keys[1])
+    self.rms = eqx.nn.RMSNorm(D)
+    self.conv = eqx.nn.Conv1d(D, D, 3, padding=1, key=keys[2])
+    self.dense_out = eqx.nn.Linear(D, OUT, key=keys[3])
+
+  def __call__(self, x):
+    out = {}
+    h = out["dense_in"] = jax.vmap(self.dense_in)(x)
+    h = out["ln"] = jax.vmap(self.ln)(h)
+    h = out["attn"] = self.attn(h, h, h)
+    h = out["rms"] = jax.vmap(self.rms)(h)
+    h = out["conv"] = self.conv(h.T).T
+    out["dense_out"] = jax.vmap(self.dense_out)(h)
+    return out
+
+
+def _flat(tree):
+  """``{"a/b/c": leaf}`` for a nested dict (or NNX ``State``) of captured values."""
+
+  def part(k):
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  return {"/".join(part(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _jax_model(lib):
+  """``(fn, params, example_shape)``: ``fn(params, x)`` returns the output of every
+  layer the library's capture mechanism records, by path."""
+  key = jax.random.key(0)
+  if lib == "linen":
+    model = LinenModel()
+    params = model.init(key, jnp.zeros((B, L, D)))
+
+    def fn(p, x):
+      _, state = model.apply(p, x, capture_intermediates=True, mutable=["intermediates"])
+      return _flat(state["intermediates"])
+
+    return fn, params, (L, D)
+  if lib == "nnx":
+    graphdef, state = nnx.split(NnxModel(nnx.Rngs(0)))
+
+    def fn(s, x):
+      model = nnx.merge(graphdef, s)
+      _, captured = nnx.capture(model, nnx.Intermediate, method_outputs=nnx.Intermediate)(x)
+      return _flat(captured)
+
+    return fn, state, (L, D)
+  return (lambda m, x: m(x)), EqxModel(key), (L, D)
+
+
+def _torch_name(path):
+  """The ``TorchModel`` layer a captured path is the output of. Flax's attention
+  records its projections too (``attn/query``, ``attn/out``): linears, compared
+  with the model's ``nn.Linear`` (torch's ``nn.MultiheadAttention`` calls
+  ``F.linear`` itself, which no hook sees)."""
+  parts = path.split("/")
+  if "__call__" in parts:  # Flax's: the module's path, then its method's
+    parts = parts[: parts.index("__call__")]
+  if not parts:
+    return "dense_out"  # the model's own output
+  if parts[0] == "attn" and len(parts) > 1:
+    return "dense_in"
+  return parts[0]
+
+
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize("batching", BATCHING)
+@pytest.mark.parametrize("lib", LIBRARIES)
+def test_model_every_layer_dtype_matches_torch_autocast(lib, batching, half, policy):
+  fn, params, shape = _jax_model(lib)
+  x = _input(lib, batching, shape)
+  run = batched(fn, batching, HALVES[half][0], policy)
+  ours = {path: _name(v.dtype) for path, v in jax.eval_shape(lambda x: run(params, x), x).items()}
+  theirs = torch_model_dtypes(half, policy)
+  assert {_torch_name(p) for p in ours} == set(MODEL_LAYERS), sorted(ours)
+  wrong = {p: (d, theirs[_torch_name(p)]) for p, d in ours.items() if d != theirs[_torch_name(p)]}
+  assert not wrong, f"{lib}, {batching}, {half}, policy={policy!r}: (jaxamp, torch) {wrong}"
+
+
+# -- what users put around layers -------------------------------------------------------------
+
+
+def _np_tanh(a):
+  return np.tanh(a.astype(np.float32)).astype(a.dtype)
+
+
+@pytest.mark.parametrize("callback", ["pure_callback", "io_callback"])
+def test_host_callback_of_a_half_value_runs_as_traced(callback):
+  """A callback's result dtype is declared when traced: it runs as written, its
+  input cast back to float32 (docs/autocast.md, rule 4), where it used to receive
+  the half matmul output and fail returning a dtype it had not declared."""
+
+  def f(w, x):
+    h = x @ w
+    shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    if callback == "io_callback":
+      return h, io_callback(_np_tanh, shape, h)
+    return h, jax.pure_callback(_np_tanh, shape, h)
+
+  rng = np.random.default_rng(0)
+  w, x = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((D, D), (B, D)))
+  h, out = jax.jit(jaxamp.autocast(f, jnp.float16, policy="cpu"))(w, x)
+  assert h.dtype == jnp.float16 and out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, np.tanh(np.asarray(h, np.float32)))

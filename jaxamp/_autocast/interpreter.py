@@ -21,14 +21,27 @@ from jax.extend import core as jex_core
 
 from jaxamp._autocast.fused import fused_dtype, fused_spans, in_layer, run_fused
 from jaxamp._autocast.higher_order import HIGHER_ORDER, bind_params
-from jaxamp._autocast.modes import AS_WRITTEN_SCOPE, Mode, region, tracing_regions
-from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, HALF, LOWER
+from jaxamp._autocast.modes import AS_WRITTEN_SCOPE, OFF, Mode, region, tracing_regions
+from jaxamp._autocast.policies import (
+  ACCUMULATE_F32,
+  EXACT_DTYPE,
+  F32,
+  FUSED_NO_LOWER,
+  HALF,
+  LOWER,
+)
 from jaxamp._autocast.promotion import Origins, is_float, widest
 from jaxamp._xla.fma_guard import kept_bfloat16
 
 
 def _is_literal(x: Any) -> bool:
   return isinstance(x, (np.ndarray, np.generic))
+
+
+def _lowers(eqn: Any, mode: Mode) -> bool:
+  """Whether ``eqn``'s region runs matmuls in a half dtype."""
+  inner = region(eqn, mode)
+  return inner.dtype is not None and not inner.as_written
 
 
 class _Trace:
@@ -94,6 +107,11 @@ class Interpreter:
       half = None if span is None else fused_dtype(self, eqns, read)
       if span is not None and half is not None:
         run_fused(self, span, eqns, env, read, half)
+      elif span is not None and span.op in FUSED_NO_LOWER and _lowers(eqns[0], self.mode):
+        off = self.in_mode(OFF)  # float32 inputs: the op in float32, as written
+        for eqn in eqns:
+          outs = off.eval_in_mode(eqn, [read(v) for v in eqn.invars])
+          env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
       else:
         for eqn in eqns:
           outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])

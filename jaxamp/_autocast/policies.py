@@ -63,9 +63,13 @@ POLICIES = {"cuda": FP32_CUDA, "cpu": FP32_CPU}
 # (torch's "opmath"; jnp.sum of a float16 array does the same).
 ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod", "cumprod"})
 
-# Primitives whose result depends on the bits of their input dtype: always
-# evaluated as the original jaxpr had them.
-EXACT_DTYPE = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+# Primitives always evaluated as the original jaxpr had them: those whose
+# result depends on the bits of their input dtype, and host callbacks, whose
+# result dtypes were declared when traced (a half input would make a callback
+# return another dtype than it declared).
+EXACT_DTYPE = frozenset(
+  {"bitcast_convert_type", "reduce_precision", "nextafter", "pure_callback", "io_callback"}
+)
 
 # The linear and conv layers of the JAX libraries, (file, qualified name): an add
 # of a value of the matmul's or conv's shape inside one is its bias, added inside
@@ -96,15 +100,39 @@ FUSED_FUNCTIONS = {
   ("flax/nnx/nn/normalization.py", "LayerNorm.__call__"): "layer_norm",
   ("flax/linen/normalization.py", "LayerNorm.__call__"): "layer_norm",
   ("equinox/nn/_normalisation.py", "LayerNorm.__call__"): "layer_norm",
+  ("flax/nnx/nn/normalization.py", "RMSNorm.__call__"): "rms_norm",
+  ("flax/linen/normalization.py", "RMSNorm.__call__"): "rms_norm",
+  ("equinox/nn/_normalisation.py", "RMSNorm.__call__"): "rms_norm",
+  ("jax/_src/ops/special.py", "logsumexp"): "logsumexp",
+  ("optax/losses/_regression.py", "huber_loss"): "huber_loss",
+  ("jax/_src/image/scale.py", "resize"): "upsample",
+  ("jax/_src/image/scale.py", "scale_and_translate"): "upsample",
   ("optax/losses/_classification.py", "softmax_cross_entropy"): "cross_entropy",
   ("optax/losses/_classification.py", "softmax_cross_entropy_with_integer_labels"): (
     "cross_entropy"
   ),
 }
 
-# The fused ops whose result is float32 under each policy (torch's float32
-# lists); the others return their input's half dtype.
+# The fused ops whose result is float32 under each policy (torch 2.13's float32
+# lists as compiled, tests/test_autocast_layers.py); the others return their
+# input's half dtype.
 FUSED_F32 = {
-  "cuda": frozenset({"softmax", "log_softmax", "layer_norm", "cross_entropy"}),
-  "cpu": frozenset({"cross_entropy"}),
+  "cuda": frozenset(
+    {
+      "softmax",
+      "log_softmax",
+      "layer_norm",
+      "rms_norm",
+      "logsumexp",
+      "cross_entropy",
+      "huber_loss",
+      "upsample",
+    }
+  ),
+  "cpu": frozenset({"cross_entropy", "huber_loss"}),
 }
+
+# Fused ops that torch runs in their input's dtype, whose JAX form has matmuls
+# (jax.image.resize's weights): with no half input they run in float32, as
+# written, not with the matmuls in the half dtype.
+FUSED_NO_LOWER = frozenset({"upsample"})
