@@ -1,19 +1,12 @@
 """Exact float32 arithmetic that torch does in float64: ``f32(f64(x) * factor)``.
 
-torch's ``_amp_update_scale_`` forms the new scale as the float64 product of the
-float32 scale and a float64 factor, rounded to float32. JAX runs in 32-bit
-mode by default and XLA flushes subnormals, so a plain ``scale * factor`` in
-float32 differs from torch for about a quarter of non-dyadic factors (docs/torch_semantics.md §3.3).
-
-This module reproduces it exactly with int32 arithmetic: both operands are
-unpacked into integer significands and multiplied exactly in 12-bit limbs; the
-product is then rounded to nearest-even twice, as torch does: to float64 (53
-bits), then to float32 (24 bits), subnormals included. Rounding once would
-differ from torch where the float64 product lands on a float32 tie.
-It is scalar work, done once per step. A factor that is a Python power of two
-(torch's default 2.0 and 0.5) takes a shorter path, :func:`_times_power_of_two`,
-whose product is exact before the one rounding a subnormal result needs: the
-same bits, in one fused kernel instead of some 40 (compile time).
+torch's ``_amp_update_scale_`` rounds the float64 product of the scale and a factor
+to float32; in JAX's 32-bit mode, with subnormals flushed, ``scale * factor``
+differs for about a quarter of non-dyadic factors (docs/torch_semantics.md §3.3).
+Here both significands are multiplied exactly in 12-bit int32 limbs and the
+product rounded to nearest-even twice, as torch: to float64, then float32. A
+power-of-two factor (torch's 2.0 and 0.5) takes a shorter exact path, which
+compiles to one fused kernel.
 """
 
 from __future__ import annotations
@@ -32,12 +25,9 @@ _PRODUCT_BITS = _PRODUCT_LIMBS * _LIMB_BITS
 def float_bits(x) -> jax.Array:
   """The int32 bits of a float32 ``x``, for integer tests of a number's bits.
 
-  A plain bitcast is not enough inside an XLA CPU kernel: LLVM turns integer
-  tests of it back into float compares (``bits & 0x7FFFFFFF == 0`` into
-  ``x == 0.0``), which the CPU's denormals-are-zero mode answers wrongly for a
-  subnormal ``x``. XOR-ing the bits with ``isnan(x)``, zero for every number,
-  hides the bitcast from LLVM. A NaN's lowest bit comes back flipped (one NaN
-  then has inf's bits): test for inf and NaN with ``jnp.isinf``/``jnp.isnan``.
+  XOR-ed with ``isnan(x)``: LLVM turns integer tests of a plain bitcast back into
+  float compares, which denormals-are-zero answers wrongly for a subnormal ``x``.
+  A NaN's lowest bit comes back flipped: test inf and NaN with ``jnp.isinf``/``isnan``.
   """
   x = jnp.asarray(x, jnp.float32)
   return lax.bitcast_convert_type(x, jnp.int32) ^ jnp.isnan(x).astype(jnp.int32)
@@ -181,12 +171,8 @@ def _power_of_two_exponent(factor) -> int | None:
 
 
 def _times_power_of_two(x, k):
-  """``f32(f64(x) * 2.0**k)`` for an int32 ``k``, from the bits of ``x``.
-
-  The float64 product is exact (a float32 significand, shifted); only a
-  result below ``2**-126`` loses bits, rounded to nearest-even as the cast to
-  float32 does. Zero, inf and NaN come back as they are.
-  """
+  """``f32(f64(x) * 2.0**k)`` for an int32 ``k``, from the bits of ``x``: exact but
+  for a subnormal result, rounded to nearest-even. Zero, inf and NaN pass through."""
   a = _unpack_f32(x)
   significand = a.limbs[0] | (a.limbs[1] << _LIMB_BITS)
   exponent = a.exponent + k  # x * 2**k == significand * 2**exponent
@@ -230,11 +216,8 @@ def multiply_exact(x, factor):
 
 
 def multiply_exact_either(x, use_first, first, second):
-  """``multiply_exact(x, first if use_first else second)`` with one product.
-
-  Both factors are unpacked and the operand selected before the (scalar but
-  long) exact multiplication, so a program holds one copy of it, not two.
-  """
+  """``multiply_exact(x, first if use_first else second)``, selecting the operand
+  before the long exact multiplication, so that a program holds one copy of it."""
   powers = _power_of_two_exponent(first), _power_of_two_exponent(second)
   if None not in powers:
     return _times_power_of_two(x, jnp.where(use_first, *map(jnp.int32, powers)))
@@ -251,11 +234,8 @@ def multiply_exact_either(x, use_first, first, second):
 
 
 def multiply_by_f64_words(x, hi, lo):
-  """``multiply_exact`` with the float64 factor given as int32 high/low words.
-
-  The same code path that Python-number factors take, but vectorisable: used to
-  check the rounding over many (scale, factor) pairs in one jitted call.
-  """
+  """``multiply_exact`` with a float64 factor as int32 high/low words: the
+  Python-number path, vectorisable (tests check many pairs in one call)."""
   return _multiply(x, _unpack_f64_words(hi, lo))
 
 
