@@ -1,9 +1,5 @@
-"""One hyperparameter's value, checked: Python numbers, concrete and traced arrays.
-
-The checks :func:`jaxamp._config.loss_scale_config` builds a configuration with,
-and those the primitives (``update_loss_scale``, state dicts, ``new_scale``)
-apply to a value given on its own. Traced values (``optax.inject_hyperparams``
-inside ``jit``) cannot be checked and pass.
+"""One hyperparameter's value, checked: Python numbers and concrete arrays (traced
+ones, from ``optax.inject_hyperparams`` inside ``jit``, cannot be checked and pass).
 """
 
 from __future__ import annotations
@@ -26,11 +22,24 @@ def is_array(value: Any) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
 
 
-def _concrete(value: Any) -> Any:
-  """A Python number for a number or concrete array scalar; None when traced."""
+def _concrete(name: str, value: Any, *, integer: bool) -> Any:
+  """A Python number for a number or concrete array scalar (of a dtype that can
+  hold the value); None when traced."""
+  dtype = getattr(value, "dtype", None)
+  dtype = None if dtype is None else jnp.dtype(dtype)
+  if integer and dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"jaxamp: {name} must be an int, got an array of dtype {dtype}.")
+  if dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    raise TypeError(
+      f"jaxamp: {name} arrived as {dtype.name}, which cannot hold loss-scale "
+      "values exactly (float16(65536) is inf). With optax.inject_hyperparams and "
+      "low-precision params, pass hyperparam_dtype=jnp.float32."
+    )
+  if isinstance(value, jax.core.Tracer):
+    return None
   if isinstance(value, np.generic):
     return value.item()
-  if isinstance(value, jax.core.Tracer) or not is_array(value):
+  if not is_array(value):
     return value
   if value.shape != ():
     raise ValueError(
@@ -53,26 +62,10 @@ def python_number(name: str, value: Any, *, integer: bool = False) -> int | floa
   return value.item() if isinstance(value, np.generic) else value  # type: ignore[return-value]
 
 
-def _check_dtype(name: str, value: Any, *, integer: bool) -> None:
-  dtype = getattr(value, "dtype", None)
-  if dtype is None:
-    return
-  dtype = jnp.dtype(dtype)
-  if integer and not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"jaxamp: {name} must be an int, got an array of dtype {dtype}.")
-  if dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-    raise TypeError(
-      f"jaxamp: {name} arrived as {dtype.name}, which cannot hold loss-scale "
-      "values exactly (float16(65536) is inf). With optax.inject_hyperparams and "
-      "low-precision params, pass hyperparam_dtype=jnp.float32."
-    )
-
-
 def concrete_real(name: str, value: Any) -> float | None:
   """The concrete value of a real hyperparameter (None when traced)."""
-  _check_dtype(name, value, integer=False)
-  concrete = _concrete(value)
-  if concrete is None or isinstance(concrete, jax.core.Tracer):
+  concrete = _concrete(name, value, integer=False)
+  if concrete is None:
     return None
   if isinstance(concrete, bool) or not isinstance(concrete, numbers.Real):
     raise TypeError(
@@ -89,9 +82,8 @@ def concrete_real(name: str, value: Any) -> float | None:
 
 def concrete_int(name: str, value: Any, minimum: int | None) -> int | None:
   """The concrete value of an int hyperparameter (None when traced), range-checked."""
-  _check_dtype(name, value, integer=True)
-  concrete = _concrete(value)
-  if concrete is None or isinstance(concrete, jax.core.Tracer):
+  concrete = _concrete(name, value, integer=True)
+  if concrete is None:
     return None
   if isinstance(concrete, bool) or not isinstance(concrete, numbers.Integral):
     raise TypeError(f"jaxamp: {name} must be an int, got {type(value).__name__} {value!r}.")
@@ -109,8 +101,7 @@ def concrete_int(name: str, value: Any, minimum: int | None) -> int | None:
 
 
 def check_factor(name: str, value: Any) -> None:
-  """A growth or backoff factor given to ``update_loss_scale``: a real scalar
-  (its range is not checked there, as torch's ``_amp_update_scale_``)."""
+  """A factor given to ``update_loss_scale``: a real scalar, range unchecked as torch."""
   if isinstance(value, (str, bytes, complex)) or value is None:
     raise TypeError(
       f"jaxamp: {name} must be a real Python number, got {type(value).__name__} {value!r}."
@@ -127,9 +118,7 @@ def check_factor(name: str, value: Any) -> None:
 
 
 def check_growth_interval(value: Any) -> None:
-  """``growth_interval`` as the update rule takes it: an int (a Python int of
-  any size: beyond int32 it never grows, as torch), or an int scalar array
-  within int32 (an array could otherwise wrap silently)."""
+  """An int (beyond int32, it never grows, as torch) or an int32-sized int array."""
   concrete_int("growth_interval", value, None)
 
 
