@@ -39,9 +39,7 @@ class _Injected:
   def __repr__(self) -> str:
     return "<injected>"
 
-  def __reduce__(self) -> str:
-    # The one instance, also in a deep copy or a pickle of a state: a state's
-    # configuration is compared with its transformation's by this identity.
+  def __reduce__(self) -> str:  # one instance, through copies and pickles: compared by identity
     return "INJECTED"
 
 
@@ -62,16 +60,10 @@ def _key(value: Any) -> Any:
 class LossScaleConfig:
   """Everything a loss scaler is built with; the defaults are torch's.
 
-  The record of every option: its name, type and default, and (in
-  :func:`loss_scale_config`) its checks. Each front-end writes the options
-  out in its own signature and ``Args:``, :func:`~jaxamp.dynamic_loss_scale`
-  and ``GradScaler`` (which takes Python numbers only, leaves out
-  ``axis_name`` and ``param_labels``, and counts ``schedule_counts`` as torch
-  does, ``"iterations"``); tests/test_options.py holds them to these fields.
-
-  Numbers are Python numbers, used exactly (float64 factors, as torch), or,
-  in :func:`~jaxamp.dynamic_loss_scale` under ``optax.inject_hyperparams``,
-  arrays. A JAX pytree with no leaves, compared by value, so it can live in a state.
+  The record of every option, which the front-ends' signatures repeat
+  (tests/test_options.py holds them to it). Numbers are Python numbers, used
+  exactly, or arrays under ``optax.inject_hyperparams``. A static pytree,
+  compared by value, so it can live in a state.
   """
 
   init_scale: float | jax.Array = 2.0**16
@@ -105,9 +97,7 @@ class LossScaleConfig:
 
   def recorded(self) -> LossScaleConfig:
     """This configuration with each array value replaced by ``INJECTED``."""
-    return self.replace(
-      **{name: INJECTED for name in NUMERIC_FIELDS if is_array(getattr(self, name))}
-    )
+    return self.replace(**dict.fromkeys(self.arrays(), INJECTED))
 
   def arrays(self) -> dict[str, Any]:
     """The array-valued fields (injected hyperparameters), by name."""
@@ -115,12 +105,9 @@ class LossScaleConfig:
 
 
 def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig:
-  """Checks ``values`` and returns them as a :class:`LossScaleConfig`.
-
-  Every concrete value is checked; traced ones (``optax.inject_hyperparams``
-  inside ``jit``) cannot be. A disabled configuration is not checked beyond
-  its flags, as torch does not check a disabled scaler. With ``static`` (the
-  ``GradScaler``), every number must be a Python number.
+  """Checks ``values`` (the concrete ones; a disabled scaler's only for its flags,
+  as torch) and returns them as a :class:`LossScaleConfig`. ``static``: every
+  number must be a Python number (``GradScaler``).
 
   Raises:
     TypeError: a value of the wrong kind. ValueError: a value out of range,
