@@ -14,9 +14,8 @@ def is_none(x: Any) -> bool:
 
 
 def is_array_leaf(x: Any) -> bool:
-  """Whether a parameter leaf can have a gradient: an array or a Python number
-  (as optax's leaves), not ``None`` or another object (an Equinox module's
-  activation function, a string)."""
+  """Whether a parameter leaf can have a gradient: an array or a Python number, not
+  ``None`` or another object (an Equinox module's activation function)."""
   return x is not None and (hasattr(x, "dtype") or isinstance(x, numbers.Number))
 
 
@@ -26,8 +25,7 @@ def zeros_like_arrays(params: Any) -> Any:
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-  """``optax.apply_updates``, where a ``None`` update (from a ``None``
-  gradient) leaves its parameter as it is, as ``eqx.apply_updates`` does."""
+  """``optax.apply_updates``; a ``None`` update leaves its parameter, as in Equinox."""
 
   def apply(param: Any, update: Any) -> Any:
     if param is None or update is None:
@@ -38,9 +36,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
 
 def none_expanded(grads: Any, params: Any) -> Any:
-  """``grads`` with a ``None`` that stands for a whole subtree of ``params``
-  (a model not stepped now: ``{"d": grads_d, "g": None}``) as a ``None`` per
-  leaf; as given when it is no prefix of ``params`` (the shape check says so)."""
+  """``grads`` with a ``None`` for a subtree of ``params`` (``{"d": grads_d, "g":
+  None}``) as a ``None`` per leaf; as given when no prefix (the shape check says so)."""
   if params is None or not any(g is None for g in jax.tree.leaves(grads, is_leaf=is_none)):
     return grads
 
@@ -67,12 +64,8 @@ def check_float_gradients(grads: Any) -> None:
 
 
 def check_same_structure(grads: Any, params: Any) -> None:
-  """Raises ValueError if ``grads`` and ``params`` are different trees, or a
-  gradient leaf has another shape than its parameter.
-
-  ``None`` counts as a leaf on both sides, so a ``None`` gradient for a
-  parameter (a frozen one) is accepted.
-  """
+  """Raises ValueError if ``grads`` and ``params`` are different trees (``None`` a
+  leaf on both sides) or a gradient leaf has another shape than its parameter."""
   if params is None:
     return
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
@@ -94,16 +87,13 @@ def check_same_structure(grads: Any, params: Any) -> None:
 
 
 def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
-  """For each array leaf of ``grads`` (``jax.tree.leaves`` order), the index of
-  its flag in a state's ``nonfinite_leaves`` (``n_flags``, one per leaf of the
-  parameters the state was initialised with, ``None`` not counted).
+  """For each array leaf of ``grads``, the index of its flag in a state's
+  ``nonfinite_leaves`` (``n_flags``, one per leaf of the params at ``init``).
 
-  A ``None`` gradient has no flag to set, and a non-array parameter leaf (an
-  Equinox module's activation function) never gets a gradient; both are
-  allowed. The flags are found as the first of these with ``n_flags`` leaves
-  that holds every gradient: the leaves of ``params`` (not ``None``), its array
-  leaves, every position of ``grads`` (``None`` included), its array leaves.
-  Any two of them with ``n_flags`` leaves are the same positions.
+  The flags are the first of these with ``n_flags`` leaves that holds every
+  gradient: the leaves of ``params`` (not ``None``), its array leaves, every
+  position of ``grads`` (``None`` included), its array leaves; any two that fit
+  are the same positions.
 
   Raises:
     ValueError: none fits; the message gives both counts and the fix.
@@ -143,9 +133,8 @@ def set_flags(flags: jax.Array, slots: tuple[int, ...], nonfinite: jax.Array) ->
 
 
 def none_gradient_error(grads: Any, params: Any) -> ValueError | None:
-  """The error for an optimizer that failed on a ``None`` gradient of an array
-  parameter (optax's Adam: its state holds moments for that leaf), naming the
-  first such leaf; None if there is none."""
+  """The error naming the first ``None`` gradient of an array parameter, which an
+  optimizer with state for it (optax's Adam) cannot skip; None if there is none."""
   paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   grad_leaves = jax.tree.leaves(grads, is_leaf=is_none)
   for (path, param), grad in zip(paths, grad_leaves):
@@ -161,10 +150,8 @@ def none_gradient_error(grads: Any, params: Any) -> ValueError | None:
 
 
 def flagged_paths(params: Any, flags: Any) -> list[str] | None:
-  """The paths of the leaves of ``params`` whose ``flags`` (a state's
-  ``nonfinite_leaves``) are set, with ``params`` as given to ``init`` or in
-  its other Equinox form (the whole module, or ``eqx.filter(model,
-  eqx.is_array)``); None if no form of ``params`` has as many leaves."""
+  """The paths of the leaves of ``params`` (in any Equinox form) whose ``flags`` are
+  set; None if no form of ``params`` has as many leaves."""
   leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   for keep in (lambda leaf: leaf is not None, is_array_leaf, lambda leaf: True):
     paths = [jax.tree_util.keystr(path) for path, leaf in leaves if keep(leaf)]
@@ -174,9 +161,7 @@ def flagged_paths(params: Any, flags: Any) -> list[str] | None:
 
 
 def arrays_only(tree: Any) -> Any:
-  """``tree`` with ``None`` for each leaf that is not an array (an Equinox
-  module's functions), as ``eqx.filter(tree, eqx.is_array)``: what a compiled
-  step takes and returns."""
+  """``tree`` with ``None`` for each non-array leaf, as ``eqx.filter(tree, eqx.is_array)``."""
   return jax.tree.map(lambda x: x if is_array_leaf(x) else None, tree)
 
 
