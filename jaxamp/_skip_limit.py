@@ -1,13 +1,9 @@
 """The ``max_consecutive_skips`` error: one message, raised on the host, from a
 jitted computation, or returned as data under ``jax.experimental.checkify``.
 
-Inside ``jit`` the check is one primitive with two meanings:
-
-- lowered as it is, it is a host callback that raises when the limit is
-  reached (the computation fails, so JAX deletes any donated input);
-- under ``checkify.checkify(step)`` it is a ``checkify`` error: the step
-  completes, returns valid params and optimizer state (a skipped step leaves
-  them unchanged), and ``err.throw()`` raises with jaxamp's text first.
+Inside ``jit`` the check is one primitive: lowered, a host callback that fails the
+computation; under ``checkify.checkify(step)``, a ``checkify`` error, so the step
+still returns its (valid) params and state (docs/protections.md).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from jaxamp._xla.jax_internals import debug_effect
 
 
 def skip_limit_message(consecutive, update, scale, limit, state_note: str = "") -> str:
-  """The error's text (one line) for ``consecutive`` skips at ``update``;
-  ``state_note``, a sentence on what the caller holds, goes before the advice."""
+  """The error's text; ``state_note``, on what the caller holds, goes before the advice."""
   return (
     f"jaxamp: {int(consecutive)} consecutive optimizer steps were skipped because "
     f"the gradients held inf or NaN (max_consecutive_skips={int(limit)}), at "
@@ -34,8 +29,7 @@ def skip_limit_message(consecutive, update, scale, limit, state_note: str = "") 
 
 
 def check_on_host(consecutive, update, scale, limit: int | None) -> None:
-  """Outside ``jit``: raises ``RuntimeError`` when ``consecutive`` (a value not
-  yet stored) reached ``limit`` (a host read)."""
+  """Outside ``jit``: raises ``RuntimeError`` when ``consecutive`` reached ``limit``."""
   if limit is not None and int(consecutive) >= limit:
     message = skip_limit_message(consecutive, update, scale, limit)
     raise RuntimeError(message + " Nothing was changed.")
