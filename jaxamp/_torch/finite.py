@@ -13,11 +13,8 @@ _GROUP = 8  # same-size leaves per reduction (BENCHMARKS.md, "Check formulations
 
 
 def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
-  """One variadic reduction over same-size leaves: ``all(isfinite(g))`` for each.
-
-  XLA CPU then keeps one accumulator per leaf in a single loop instead of a
-  loop per leaf: faster, and faster to compile (BENCHMARKS.md, "Check formulations").
-  """
+  """``all(isfinite(g))`` for each same-size leaf, in one variadic reduction: one
+  loop, not one per leaf, on XLA CPU (BENCHMARKS.md, "Check formulations")."""
   flags = lax.reduce(
     tuple(jnp.isfinite(g.reshape(-1)) for g in grads),  # a reshape is free
     (jnp.bool_(True),) * len(grads),
@@ -29,9 +26,8 @@ def _group_is_finite(grads: list[jax.Array]) -> list[jax.Array]:
 
 @functools.cache
 def _and_each(n: int):
-  """The reduction of :func:`_group_is_finite`, one function per arity: JAX
-  caches the reduction's jaxpr (and, outside ``jit``, its compiled kernel) by
-  this function, so a new lambda per call would recompile it every eager call."""
+  """The reduction of :func:`_group_is_finite`, one per arity: JAX caches its kernel
+  by this function, which a new lambda per call would recompile."""
 
   def and_each(acc, x):
     return tuple(a & b for a, b in zip(acc, x))
@@ -40,13 +36,9 @@ def _and_each(n: int):
 
 
 def _alone_is_finite(grad: jax.Array) -> jax.Array:
-  """``all(isfinite(grad))`` for a leaf of a size no other leaf has.
-
-  Its two halves go through one variadic reduction, like a group: faster than
-  one reduction over the whole leaf on XLA CPU, and, unlike
-  ``all(isfinite(g))`` or ``isfinite(sum(g * 0))``, it writes no temporary of
-  the leaf's size for any dtype (BENCHMARKS.md, "Check formulations").
-  """
+  """``all(isfinite(grad))`` for a leaf of a size no other leaf has: its two halves
+  as a group, faster on XLA CPU and with no temporary of the leaf's size
+  (BENCHMARKS.md, "Check formulations")."""
   flat = grad.reshape(-1)
   half = flat.size // 2
   first, second = _group_is_finite([flat[:half], flat[half : 2 * half]])
