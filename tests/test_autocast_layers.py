@@ -506,3 +506,24 @@ def test_host_callback_of_a_half_value_runs_as_traced(callback):
   h, out = jax.jit(jaxamp.autocast(f, jnp.float16, policy="cpu"))(w, x)
   assert h.dtype == jnp.float16 and out.dtype == jnp.float32
   np.testing.assert_array_equal(out, np.tanh(np.asarray(h, np.float32)))
+
+
+def test_scalar_added_to_a_matmul_in_a_nested_region_is_no_bias_matches_torch():
+  """A Python scalar added to a matmul output is not a bias: in a nested region of
+  the other half dtype the sum keeps the matmul's dtype, as torch's (found by the
+  autocast fuzzer's long run, against a bias rule that took any value of fewer
+  elements for a bias)."""
+  rng = np.random.default_rng(0)
+  w, x = (rng.standard_normal(s).astype(np.float32) for s in ((D, D), (B, D)))
+
+  def f(w, x):
+    h = jaxamp.autocast(lambda w, x: x @ w, jnp.float16, policy="cpu")(w, x)
+    return jaxamp.autocast(lambda h: 0.5 + h, jnp.bfloat16, policy="cpu")(h)
+
+  ours = jaxamp.autocast(f, jnp.bfloat16, policy="cpu")(jnp.asarray(w), jnp.asarray(x))
+  with torch.autocast("cpu", torch.bfloat16):
+    with torch.autocast("cpu", torch.float16):
+      h = torch.tensor(x) @ torch.tensor(w)
+    theirs = 0.5 + h
+  assert _name(ours.dtype) == _name(theirs.dtype) == "float16"
+  np.testing.assert_array_equal(np.asarray(ours, np.float32), theirs.float().numpy())

@@ -152,16 +152,21 @@ class Origins:
 
   def bias_add(self, args: list[Any], in_layer: bool) -> tuple[Any, Any] | None:
     """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` to it: a value
-    broadcast to it (by jnp, or by the add itself: fewer elements), or, inside a
-    library's linear or conv layer (``in_layer``), one of its shape (Equinox's
-    ``Linear`` on one example, Flax's ``Dense`` on one vector)."""
+    broadcast to it (by jnp, or by the add itself: of its rank, with fewer
+    elements), or, inside a library's linear or conv layer (``in_layer``), one of
+    its shape (Equinox's ``Linear`` on one example, Flax's ``Dense`` on one
+    vector). A Python scalar or a 0-dim value is not a bias (torch adds it after
+    the op)."""
     if len(args) != 2:
       return None
     for out, b in (args, args[::-1]):
-      if self.kind(out) != "lower" or self.kind(b) == "lower":
+      if self.kind(out) != "lower":
         continue
-      same = np.shape(b) == np.shape(out)
-      if self.kind(b) == "broadcast" or np.size(b) < np.size(out) or (same and in_layer):
+      if self.kind(b) == "broadcast":
+        return out, b
+      fewer = np.size(b) < np.size(out)
+      same_rank = self.kind(b) is None and np.ndim(b) == np.ndim(out) > 0
+      if same_rank and (fewer or (np.shape(b) == np.shape(out) and in_layer)):
         return out, b
     return None
 
