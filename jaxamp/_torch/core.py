@@ -51,8 +51,7 @@ def int32_array(value: Any) -> jax.Array:
 
 def init_core(config: LossScaleConfig) -> LossScaleCore:
   """The core before the first update: ``init_scale`` (1 when disabled), zero counters."""
-  # A fresh array per field: a state donated to jit must hold no buffer twice
-  # (copies: an injected init_scale or hysteresis is the hyperparameter's own array).
+  # Copies: a donated state must hold no buffer twice, nor an injected hyperparameter's.
   return LossScaleCore(
     loss_scale=jnp.array(scale_array(config.init_scale if config.enabled else 1.0), copy=True),
     growth_tracker=int32_array(0),
@@ -84,11 +83,8 @@ def advance(
       every finite update with ``consecutive_hysteresis``), decremented by an
       absorbed overflow, kept on a backoff.
 
-  The counters advance, and reaching ``max_consecutive_skips`` fails the
-  computation, or is a ``checkify`` error under ``checkify`` (``eager``: the
-  caller raises with :func:`check_skip_limit` after it, before it changes
-  anything). With the defaults this is exactly torch's
-  ``_amp_update_scale_``.
+  The counters advance; reaching ``max_consecutive_skips`` fails the computation
+  (``eager``: the caller raises with :func:`check_skip_limit` before storing it).
   """
   found_inf = jnp.asarray(found_inf, bool)
   back_off = found_inf & (core.hysteresis_tracker <= 1)
@@ -127,8 +123,7 @@ def advance(
 
 
 def check_skip_limit(core: LossScaleCore, config: LossScaleConfig) -> None:
-  """Outside ``jit``: raises ``RuntimeError`` when ``core`` (after an update,
-  not yet stored) has reached ``max_consecutive_skips`` (a host read)."""
+  """Outside ``jit``: raises when ``core``, not yet stored, reached the skip limit."""
   check_on_host(
     core.consecutive_skipped_steps, core.update_count, core.loss_scale, config.max_consecutive_skips
   )
