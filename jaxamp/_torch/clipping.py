@@ -10,9 +10,7 @@ import optax
 
 
 def _norm(x: jax.Array, norm_type: float) -> jax.Array:
-  """``torch.linalg.vector_norm(x, norm_type)``, computed in float32 (or float64):
-  the max for inf, the min for -inf, the count of non-zeros for 0, else
-  ``sum(|x|**p)**(1/p)`` (negative p included)."""
+  """``torch.linalg.vector_norm(x, norm_type)``, in float32 (or float64)."""
   x = jnp.abs(x.reshape(-1).astype(jnp.promote_types(x.dtype, jnp.float32)))
   if norm_type == float("inf"):
     return jnp.max(x, initial=0.0)
@@ -28,12 +26,9 @@ def _norm(x: jax.Array, norm_type: float) -> jax.Array:
 def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple[Any, jax.Array]:
   """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, functional.
 
-  torch's formula: each leaf's norm (in its dtype), the norm of those norms,
-  then every gradient times ``min(max_norm / (total_norm + 1e-6), 1)``, the
-  coefficient applied even when it is 1. ``optax.clip_by_global_norm`` differs:
-  it scales by ``max_norm / total_norm`` and only when the norm exceeds
-  ``max_norm``. The norms are sums, so they agree with torch's to float32
-  rounding (the order of the sum differs), not bit for bit.
+  torch's formula: every gradient times ``min(max_norm / (total_norm + 1e-6), 1)``
+  (``optax.clip_by_global_norm`` scales by ``max_norm / total_norm``, only above
+  it). The norms agree with torch's to float32 rounding, not bit for bit.
 
   Args:
     grads: a pytree of floating-point arrays (``None`` leaves pass through).
