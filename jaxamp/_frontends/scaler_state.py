@@ -250,8 +250,7 @@ class ScalerState:
     """Sets the growth factor (a Python number; its range is not checked, as torch).
 
     Args:
-      new_factor: what the scale is multiplied by after ``growth_interval``
-        steps in a row with finite gradients.
+      new_factor: multiplies the scale after ``growth_interval`` finite steps in a row.
     """
     self._set("growth_factor", new_factor)
 
@@ -263,8 +262,7 @@ class ScalerState:
     """Sets the backoff factor (a Python number; its range is not checked, as torch).
 
     Args:
-      new_factor: what the scale is multiplied by after a step whose gradients
-        held inf/NaN.
+      new_factor: multiplies the scale after a step whose gradients held inf/NaN.
     """
     self._set("backoff_factor", new_factor)
 
@@ -318,10 +316,6 @@ class ScalerState:
   def __repr__(self) -> str:
     if not self._enabled:
       return "jaxamp.GradScaler(enabled=False)"
-    config = self._config
-    return (
-      f"jaxamp.GradScaler(growth_factor={config.growth_factor!r}, "
-      f"backoff_factor={config.backoff_factor!r}, "
-      f"growth_interval={config.growth_interval!r}, "
-      f"stages={ {k: r.stage.name for k, r in self._states.items()} })"
-    )
+    fields = ", ".join(f"{name}={getattr(self._config, name)!r}" for name in HYPERPARAMETERS)
+    stages = {key: record.stage.name for key, record in self._states.items()}
+    return f"jaxamp.GradScaler({fields}, stages={stages})"
