@@ -1,11 +1,8 @@
 """Low-level primitives: torch's arithmetic as functions, for building your own step.
 
-A training loop needs none of these: :func:`jaxamp.dynamic_loss_scale`,
-:func:`jaxamp.apply_scaled_updates` and :class:`jaxamp.GradScaler` use them.
-They are what torch's kernels compute, bit for bit: the scale update
-(``_amp_update_scale_``), the unscale and check
-(``_amp_foreach_non_finite_check_and_unscale_``), ``inv_scale``, clipping by a
-torch norm, and diagnostics of the last skipped step.
+What :func:`jaxamp.dynamic_loss_scale` and :class:`jaxamp.GradScaler` use, bit for
+bit as torch's kernels: the scale update, the unscale and check, ``inv_scale``,
+clipping by a torch norm, and diagnostics of the last skipped step.
 """
 
 from jaxamp._frontends.state_access import find_loss_scale_state, nonfinite_leaf_paths
