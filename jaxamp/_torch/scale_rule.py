@@ -33,8 +33,7 @@ _FIX = {
 
 
 def _check_arguments(**values: object) -> None:
-  """Raises a clear error for a state argument that would be converted silently
-  (a float tracker truncated, a vector scale broadcast)."""
+  """Raises for a state argument that would be converted silently (a float tracker)."""
   for name, value in values.items():
     expected, dtypes, python_types = _ARGUMENTS[name]
     dtype = getattr(value, "dtype", None)
@@ -79,10 +78,8 @@ def update_loss_scale(
     else:
       tracker = tracker + 1
 
-  The products are rounded as torch rounds them (to float64, then to float32), also inside
-  ``jit`` in JAX's default 32-bit mode; a growth that would overflow is dropped,
-  a backoff has no floor (the scale can reach subnormals and zero), and a
-  ``growth_interval`` of zero or less never grows.
+  The products are rounded as torch's, also in JAX's 32-bit mode; a backoff has
+  no floor (subnormals, zero), and a ``growth_interval`` <= 0 never grows.
 
   Args:
     loss_scale: the current scale, float32 ``[]``.
