@@ -1,4 +1,4 @@
-"""``jaxamp.autocast`` against ``torch.autocast("cpu")``: the fused ops, bit for bit.
+"""``jaxamp.autocast`` against ``torch.autocast("cpu")``: how often the fused ops agree.
 
 Part 1 (the default): per op, the fraction of elements of jaxamp's output equal
 to torch's, for float16 and bfloat16, under ``policy="cpu"``. Each op runs on
@@ -8,12 +8,10 @@ Equinox ``LayerNorm``, ``optax.softmax_cross_entropy*``) and the usual torch
 way (``torch.softmax``, ``F.gelu``, ``F.layer_norm``, ``F.cross_entropy``).
 "equal" compares jaxamp's value cast to torch's dtype; "at half" compares both
 rounded to the half dtype (for the losses, which torch computes in float32).
-
-Part 1b (the default): the two optax cross-entropies, float32 in torch and in
-jaxamp, on torch's own half logits (the loss alone, not the matmul before it):
-the fraction of float32 losses equal to torch's, the largest difference in
-float32 ulps, and the time of the loss (jitted) against optax's ops as XLA
-computes them, for a few shapes.
+Both compute each op in float32 and round once, with different float32
+arithmetic: what differs is where that lands against a half rounding boundary,
+and which kernels torch runs depends on the CPU (``ATEN_CPU_CAPABILITY``,
+oneDNN), so the fractions are this machine's.
 
 Part 2 (``--train``): a Transformer block (a linear embedding, LayerNorms,
 attention with softmax, a GELU MLP, a linear head and cross-entropy), trained
@@ -28,9 +26,7 @@ the largest and the final ``|loss_jax - loss_torch|``.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import time
 
 import equinox as eqx
 import jax
@@ -145,59 +141,6 @@ def print_agreement(table):
     for half in HALVES:
       ours, theirs, eq, eq_half = table[name, half]
       print(f"{name:50s} {half:9s} {ours + '/' + theirs:22s} {eq:8.2%} {eq_half:8.2%}")
-
-
-def _ulps(a, b):
-  return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
-
-
-def _seconds(f, *args, repeats=5):
-  jax.block_until_ready(f(*args))
-  start = time.perf_counter()
-  for _ in range(repeats):
-    jax.block_until_ready(f(*args))
-  return (time.perf_counter() - start) / repeats
-
-
-def loss_bits(shapes=((512, 64), (512, 1000), (256, 8192)), seed=0):
-  """{(loss, half, shape): (equal, max ulps, jaxamp seconds, optax float32 seconds)}."""
-  table = {}
-  for n, classes in shapes:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, D)).astype(np.float32)
-    w = (2.0 / math.sqrt(D) * rng.standard_normal((D, classes))).astype(np.float32)
-    labels = rng.integers(0, classes, n)
-    one_hot, int_labels = jax.nn.one_hot(labels, classes), jnp.asarray(labels)
-    losses = {
-      "optax.softmax_cross_entropy": functools.partial(optax.softmax_cross_entropy, labels=one_hot),
-      "optax.softmax_cross_entropy_with_integer_labels": functools.partial(
-        optax.softmax_cross_entropy_with_integer_labels, labels=int_labels
-      ),
-    }
-    for half, (j_half, t_half) in HALVES.items():
-      with torch.autocast("cpu", dtype=t_half):
-        logits = torch.tensor(x) @ torch.tensor(w)
-        theirs = F.cross_entropy(logits, torch.tensor(labels), reduction="none").numpy()
-      h = jnp.asarray(logits.float().numpy()).astype(j_half)
-      for name, loss in losses.items():
-        ours_fn = jax.jit(jaxamp.autocast(loss, j_half, policy="cpu"))
-        plain_fn = jax.jit(lambda h, loss=loss: loss(h.astype(jnp.float32)))
-        ours = np.asarray(ours_fn(h))
-        table[name, half, (n, classes)] = (
-          _equal(ours, theirs),
-          int(_ulps(ours, theirs).max()),
-          _seconds(ours_fn, h),
-          _seconds(plain_fn, h),
-        )
-  return table
-
-
-def print_loss_bits(table):
-  title = "loss, on torch's half logits"
-  print(f"\n{title:50s} {'half':9s} {'shape':12s} {'equal':>8s} {'ulps':>5s}")
-  for (name, half, shape), (eq, ulps, ours, plain) in table.items():
-    timing = f"{ours * 1e3:7.2f} ms (optax float32 {plain * 1e3:.2f} ms)"
-    print(f"{name:50s} {half:9s} {shape!s:12s} {eq:8.2%} {ulps:5d}  {timing}")
 
 
 # -- a Transformer block trained against torch --------------------------------------
@@ -319,7 +262,6 @@ def main():
   parser.add_argument("--steps", type=int, default=200)
   args = parser.parse_args()
   print_agreement(agreement())
-  print_loss_bits(loss_bits())
   if args.train:
     ours, theirs = train(args.steps)
     drift = np.abs(ours - theirs)

@@ -2,13 +2,13 @@
 
 torch's CPU kernels are not the same everywhere: its own vectorised kernels
 differ with ``ATEN_CPU_CAPABILITY`` (default, AVX2, AVX512), and it hands some
-ops to oneDNN on some CPUs (a bfloat16 GELU on AVX-512, a float16 one with
-AVX512-FP16); XLA's kernels are others again. So the autocast tests compare
-neither with the other bit for bit. Each op has a float64 reference value ``r``
-on the half input both were given, and an error bound ``err`` that any float32
-evaluation of the op (the formula as written, elementary functions within
-``K`` units of float32 rounding) stays within; a result rounded once to a half
-dtype is then within ``err`` plus half a half ulp of ``r`` (:func:`within`).
+ops to oneDNN on some CPUs (a bfloat16 GELU on AVX-512); XLA's kernels are
+others again. So the autocast tests compare neither with the other bit for
+bit. Each op has a float64 reference value ``r`` on the half input it was
+given, and an error bound ``err`` that any float32 evaluation of the op (the
+formula as written, elementary functions within ``K`` units of float32
+rounding) stays within; a result rounded once to a half dtype is then within
+``err`` plus half a half ulp of ``r`` (:func:`within`).
 Both jaxamp and torch, run live, are held to it: torch's results show the
 bound holds for the kernel torch ran here, jaxamp's that it rounds once. An
 op computed primitive by primitive in the half dtype, rounding at each step,
