@@ -180,11 +180,9 @@ class GradScaler(ScalerState):
       _unscale_and_check, self._config.detect_unscale_overflow, grads, self._core.loss_scale
     )
     nonfinite = per_param_leaf(grads, optimizer.params, ~finite)
-    if nonfinite is not None and optimizer.nonfinite_leaves is not None:
-      nonfinite = jnp.where(found_inf, nonfinite, optimizer.nonfinite_leaves)
-    else:
-      nonfinite = None
-    return grads, found_inf, nonfinite
+    if nonfinite is None or optimizer.nonfinite_leaves is None:
+      return grads, found_inf, None
+    return grads, found_inf, jnp.where(found_inf, nonfinite, optimizer.nonfinite_leaves)
 
   @in_iteration
   def unscale_(self, optimizer: Optimizer) -> None:
@@ -277,10 +275,8 @@ class GradScaler(ScalerState):
       new_scale: ``None``, or a finite float / 0-dim floating-point array.
 
     Raises:
-      RuntimeError: before any ``scale()``; no ``unscale_``/``step`` recorded
-        an inf check since the last update; a ``new_scale`` beyond float32;
-        ``max_consecutive_skips`` reached (from the computation under ``jit``;
-        a ``checkify`` error under ``checkify``).
+      RuntimeError: before any ``scale()``; no inf check recorded since the last
+        update; a ``new_scale`` beyond float32; ``max_consecutive_skips`` reached.
       TypeError, ValueError: a ``new_scale`` of the wrong kind or not finite.
     """
     if not self._enabled:
