@@ -933,3 +933,25 @@ def test_masks_ints_and_python_scalars_promote_as_torch(half):
   for k in PROMOTIONS:
     assert str(ours[k].dtype) == str(theirs[k].dtype).removeprefix("torch."), k
     np.testing.assert_array_equal(_bits(ours[k]), _bits(theirs[k]), err_msg=k)
+
+
+def test_autocast_reads_nothing_of_the_machine():
+  # The values autocast computes are the same on every machine: no module of it
+  # reads the CPU's features, the environment or the platform (docs/autocast.md,
+  # "Fused ops: computed in float32, rounded once").
+  import ast
+  import pathlib
+
+  modules = sorted((pathlib.Path(jaxamp.__file__).parent / "_autocast").glob("*.py"))
+  assert len(modules) >= 5
+  for path in modules:
+    text = path.read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.Import):
+        imported |= {alias.name.split(".")[0] for alias in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        imported.add((node.module or "").split(".")[0])
+    assert not imported & {"os", "platform", "subprocess", "ctypes", "cpuinfo"}, path.name
+    for needle in ("/proc/", "cpuinfo", "ATEN_CPU_CAPABILITY", "environ", "sys.platform"):
+      assert needle not in text, (path.name, needle)
