@@ -19,17 +19,12 @@ def varying_axes(x: Any) -> frozenset:
 
 
 def zeros_of_type(aval: Any) -> jax.Array:
-  """Zeros of ``aval``'s shape and dtype, sharded as it is where its mesh axes
-  are ``Explicit`` (there a value's sharding is part of its type; elsewhere
-  XLA chooses, as for any array)."""
+  """Zeros of ``aval``'s shape and dtype, sharded as it is where its mesh axes are
+  ``Explicit`` (a sharding that is part of the type; elsewhere XLA chooses)."""
   sharding = getattr(aval, "sharding", None)
   axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
   explicit = any(t == jax.sharding.AxisType.Explicit for t in axis_types)
   return jnp.zeros(aval.shape, aval.dtype, out_sharding=sharding if explicit else None)
-
-
-def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def _check_replicated(state: Any, axis_names: tuple[str, ...]) -> None:
@@ -53,7 +48,7 @@ def all_reduce_found_inf(
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``/``pmap``
       over it), or the scale state differs between those devices.
   """
-  names = _axis_names(axis_name)
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   _check_bound(names, axis_name)
   _check_replicated(state, names)
   return lax.psum(found_inf.astype(jnp.int32), names) > 0
