@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxamp._frontends.optimizer import Optimizer
-from jaxamp._frontends.transform import DynamicLossScaleState
+from jaxamp._frontends.state_access import is_loss_scale_state
 
 # torch's messages (docs/torch_semantics.md §4), raised as RuntimeError where torch asserts.
 NOT_SCALED = (
@@ -69,8 +69,8 @@ def key_of(optimizer: Any) -> int:
       "jaxamp.GradScaler expects a jaxamp.Optimizer (an optax transformation "
       f"with its params, state and grads), got {type(optimizer).__name__}."
     )
-  inner_scalers = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_scaler_state)
-  if any(_is_scaler_state(x) and x.config.enabled for x in inner_scalers):
+  inner_scalers = jax.tree.leaves(optimizer.opt_state, is_leaf=is_loss_scale_state)
+  if any(is_loss_scale_state(x) and x.config.enabled for x in inner_scalers):
     raise ValueError(
       "jaxamp.GradScaler: this Optimizer's transformation holds a jaxamp.dynamic_loss_scale, "
       "a second loss scaler: the gradients would be unscaled by both scales. Build the "
@@ -78,10 +78,6 @@ def key_of(optimizer: Any) -> int:
       "or drop the GradScaler and call opt.step() alone."
     )
   return optimizer._key
-
-
-def _is_scaler_state(x: Any) -> bool:
-  return isinstance(x, DynamicLossScaleState)
 
 
 def under_jit(x: Any) -> bool:
