@@ -45,10 +45,6 @@ def _advanced(node: Any) -> Any:
 
 
 def advance_schedule_counts(inner_state: Any) -> Any:
-  """``inner_state`` with every schedule count one step on, and nothing else changed.
-
-  On a skipped step torch's ``LRScheduler.step()`` still advances while the
-  optimizer's own step count does not: with ``schedule_counts="iterations"``
-  the skipped step's inner state is this instead of the untouched state.
-  """
+  """``inner_state`` with every schedule count one step on, and nothing else: a
+  skipped step's with ``schedule_counts="iterations"``, as torch's ``LRScheduler``."""
   return jax.tree.map(_advanced, inner_state, is_leaf=_is_schedule_state)
