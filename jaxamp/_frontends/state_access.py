@@ -22,8 +22,7 @@ def is_loss_scale_state(x: Any) -> bool:
 
 
 def opt_state_of(holder: Any) -> Any:
-  """Accepts an optimizer state, or an object holding one in ``.opt_state``
-  (``flax.nnx.Optimizer``, ``flax.training.train_state.TrainState``)."""
+  """The optimizer state, or that of an ``nnx.Optimizer`` or ``TrainState``."""
   if not isinstance(holder, tuple) and hasattr(holder, "opt_state"):
     return holder.opt_state
   return holder
@@ -131,12 +130,10 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 
 
 def outliving_donation(value: jax.Array) -> jax.Array:
-  """``value`` (a state's field), or outside ``jit`` a copy of it: the state's
-  own buffer dies with a later step that donates the state."""
+  """``value`` (a state's field), or outside ``jit`` a copy that outlives a donation."""
   if isinstance(value, jax.core.Tracer):
     return value
-  # Inside jit a concrete (captured) value stays as it is, a constant, which
-  # flax_utils checks for; the copy's tracer is dead code there.
+  # A captured constant inside jit stays itself (flax_utils checks for it).
   copied = jnp.array(value, copy=True)
   return value if isinstance(copied, jax.core.Tracer) else copied
 
