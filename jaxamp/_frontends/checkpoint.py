@@ -47,21 +47,18 @@ def _plain(value: Any) -> Any:
   return value
 
 
-def _real(key: str, value: Any) -> float | int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+def _number(key: str, value: Any) -> float | int:
+  """The entry ``key`` as a Python number: a real one, or an int in its C++ range."""
+  integer = key in _INTEGERS
+  kind: Any = numbers.Integral if integer else numbers.Real
+  name = "an int" if integer else "a real Python number"
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
     raise TypeError(
-      f"jaxamp: state dict entry {key!r} must be a real Python number, got "
+      f"jaxamp: state dict entry {key!r} must be {name}, got "
       f"{type(value).__name__} {value!r}; nothing was loaded."
     )
-  return _plain(value)
-
-
-def _integer(key: str, value: Any) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-      f"jaxamp: state dict entry {key!r} must be an int, got "
-      f"{type(value).__name__} {value!r}; nothing was loaded."
-    )
+  if not integer:
+    return _plain(value)
   value, (ctype, low, high) = int(value), _INTEGERS[key]
   if not low <= value <= high:
     raise RuntimeError(
@@ -89,7 +86,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
       f"jaxamp: unexpected state dict keys {extra}; expected exactly "
       f"{list(STATE_DICT_KEYS)}; nothing was loaded."
     )
-  scale = _real("scale", state_dict["scale"])
+  scale = _number("scale", state_dict["scale"])
   # A finite number beyond float32 (an int of any size: math.isfinite would overflow).
   if (isinstance(scale, numbers.Integral) or math.isfinite(scale)) and abs(scale) > FLT_MAX:
     raise RuntimeError(
@@ -99,8 +96,7 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
   check_scale("the state dict's scale", scale)
   return {
     "scale": scale,
-    **{key: _real(key, state_dict[key]) for key in ("growth_factor", "backoff_factor")},
-    **{key: _integer(key, state_dict[key]) for key in _INTEGERS},
+    **{key: _number(key, state_dict[key]) for key in STATE_DICT_KEYS[1:]},
   }
 
 
