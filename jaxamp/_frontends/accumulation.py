@@ -11,6 +11,7 @@ import optax
 
 from jaxamp import _engine as engine
 from jaxamp._distributed import zeros_of_type
+from jaxamp._hyperparams import INT32_MAX
 from jaxamp._validation import is_none, zeros_like_arrays
 
 
@@ -87,11 +88,8 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
     >>> updates["w"].tolist()
     [-3.0]
   """
-  if (
-    isinstance(every_k, bool)
-    or not isinstance(every_k, numbers.Integral)
-    or not 1 <= every_k <= 2**31 - 1
-  ):
+  is_int = isinstance(every_k, numbers.Integral) and not isinstance(every_k, bool)
+  if not (is_int and 1 <= every_k <= INT32_MAX):
     raise ValueError(
       f"jaxamp: every_k must be an int from 1 to 2**31 - 1 (the window's count is an "
       f"int32), got {every_k!r}."
