@@ -25,8 +25,6 @@ from jaxamp._frontends.state_access import (
 )
 from jaxamp._torch.scaling import multiply_by_scale
 
-_FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
-
 
 def _check_loss(loss: Any, has_aux: bool) -> None:
   if isinstance(loss, (tuple, list)) and not has_aux:
@@ -49,7 +47,7 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
   if jnp.dtype(dtype) == jnp.float16:
     raise TypeError(
       "jaxamp: the loss is float16. Its gradient starts from the loss scale "
-      f"cast to float16, which overflows (float16 max {_FLOAT16_MAX:g}, default "
+      "cast to float16, which overflows (float16 max 65504, default "
       "scale 65536), so every update would be skipped. Compute the loss in "
       "float32 from float32 values, e.g. "
       "optax.softmax_cross_entropy_with_integer_labels("
