@@ -38,11 +38,8 @@ def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
   Raises:
     ValueError: there is no jaxamp state, or more than one.
   """
-  found = [
-    node
-    for node in jax.tree.leaves(opt_state_of(opt_state), is_leaf=is_loss_scale_state)
-    if is_loss_scale_state(node)
-  ]
+  leaves = jax.tree.leaves(opt_state_of(opt_state), is_leaf=is_loss_scale_state)
+  found = [node for node in leaves if is_loss_scale_state(node)]
   if len(found) != 1:
     what = "no" if not found else f"{len(found)}"
     raise ValueError(
