@@ -58,12 +58,8 @@ def inverse_parts(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
   high_bits = lax.bitcast_convert_type(n.astype(jnp.float32) * 2.0**-85, jnp.int32) | sign
   high = lax.bitcast_convert_type(high_bits, jnp.float32)
   inverse = jnp.where(is_large, lax.bitcast_convert_type(n | sign, jnp.float32), inverse)
-  return (
-    inverse,
-    jnp.where(is_large, high, inverse),
-    jnp.where(is_large, jnp.float32(2.0**-64), jnp.float32(1.0)),
-    inverse == 1.0,
-  )
+  low = jnp.where(is_large, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return inverse, jnp.where(is_large, high, inverse), low, inverse == 1.0
 
 
 def inverse_scale(loss_scale: jax.Array) -> jax.Array:
