@@ -133,9 +133,7 @@ class ScalerState:
         f"arrays), got {type(device).__name__} {device!r}. torch.cuda.amp's form takes "
         "init_scale first, by position only: GradScaler(2.0**16, 2.0, 0.5, 2000)."
       )
-    self._states = {}
-    self._scaled = False
-    self._init_growth_tracker = 0
+    self._states, self._scaled, self._init_growth_tracker = {}, False, 0
     check_flag("enabled", enabled)
     if not enabled:
       self._config, self._core = _DISABLED, None  # type: ignore[assignment]  # never read
