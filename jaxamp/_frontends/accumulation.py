@@ -53,7 +53,7 @@ def at_window_end(state: AccumulateGradientsState, every_k: int, end, hold, *ope
   return engine.cond(state.mini_step >= every_k - 1, end, hold, *operands)
 
 
-def after_window(state: AccumulateGradientsState, total: Any, inner_state: Any):
+def after_window(state: AccumulateGradientsState, inner_state: Any):
   """The state after a window's last micro-batch: zero gradients, new inner state."""
   zeros = jax.tree.map(jnp.zeros_like, state.acc_grads)  # not 0 * acc: acc may hold inf
   return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner_state)
@@ -106,7 +106,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
 
     def end(total, inner_state, params):
       new_updates, inner_state = inner.update(total, inner_state, params, **extra_args)
-      return new_updates, after_window(state, total, inner_state)
+      return new_updates, after_window(state, inner_state)
 
     def hold(total, inner_state, params):
       shapes, _ = engine.eval_shape(end, total, inner_state, params)

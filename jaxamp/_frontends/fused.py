@@ -196,7 +196,7 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
   def end(params, state):
     inner_state = state.inner_state
     new_params, inner_state = _fused_step(tx.inner, total, inner_state, params, extra_args, eager)
-    return new_params, after_window(state, total, inner_state)
+    return new_params, after_window(state, inner_state)
 
   def hold(params, state):
     return params, within_window(state, total)
