@@ -8,7 +8,12 @@ of two tensors, of a tensor and a Python scalar, a bool mask or an integer array
 GELU (tanh and erf forms), a ``jax.custom_vjp`` function, sum / mean / max
 reductions, comparisons and casts; and nested regions: ``autocast`` with the other
 half dtype, ``autocast(enabled=False)`` and ``autocast_disabled`` (torch's
-``autocast(enabled=False)`` block after ``.float()``).
+``autocast(enabled=False)`` block after ``.float()``). And the layers of the JAX
+libraries (Flax NNX's ``Linear``, ``Conv``, ``LayerNorm``, ``RMSNorm`` and
+``MultiHeadAttention``, linen's ``Dense``; Equinox's, mapped over rows with
+``jax.vmap``) against torch's functional ops with the same weights, and what users put around
+them: ``jax.pure_callback`` and ``io_callback``, complex values, and an op inside
+``lax.cond``, ``lax.scan`` (row by row) and ``lax.while_loop`` (issue #41).
 
 - ``policy="cpu"``: the JAX program runs under ``jaxamp.autocast`` and the torch one
   under ``torch.autocast("cpu", dtype)``. Every op's output dtype must be torch's,
@@ -27,18 +32,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import warnings
 
 import autocast_reference as ref
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from flax import linen, nnx
 from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
+from jax.experimental import io_callback
 
 import jaxamp
 
@@ -63,8 +72,159 @@ PARAMS = {
   "ln_b": _rng.standard_normal(D) / 4,
 }
 PARAMS = {k: v.astype(np.float32) for k, v in PARAMS.items()}
+
+
+# -- the layers of the JAX libraries, and their weights as torch's functional ops take them ---
+
+
+def _nnx_layers():
+  rngs = nnx.Rngs(0)
+  ln = nnx.LayerNorm(D, epsilon=1e-5, rngs=rngs)
+  ln.scale = nnx.Param(jnp.asarray(PARAMS["ln_w"]))
+  ln.bias = nnx.Param(jnp.asarray(PARAMS["ln_b"]))
+  rms = nnx.RMSNorm(D, epsilon=1e-5, rngs=rngs)
+  rms.scale = nnx.Param(jnp.asarray(PARAMS["ln_w"]))
+  return {
+    "nnx_linear": nnx.Linear(D, D, bias_init=nnx.initializers.normal(0.25), rngs=rngs),
+    "nnx_conv": nnx.Conv(D, D, (3,), padding=1, bias_init=nnx.initializers.normal(0.25), rngs=rngs),
+    "nnx_layer_norm": ln,
+    "nnx_rms_norm": rms,
+    "nnx_mha": nnx.MultiHeadAttention(
+      num_heads=2,
+      in_features=D,
+      decode=False,
+      bias_init=nnx.initializers.normal(0.25),
+      rngs=rngs,
+    ),
+  }
+
+
+def _eqx_layers():
+  keys = jax.random.split(jax.random.key(1), 4)
+  w, b = jnp.asarray(PARAMS["ln_w"]), jnp.asarray(PARAMS["ln_b"])
+  ln = eqx.tree_at(lambda m: (m.weight, m.bias), eqx.nn.LayerNorm(D, eps=1e-5), (w, b))
+  rms = eqx.tree_at(lambda m: m.weight, eqx.nn.RMSNorm(D, eps=1e-5), w)
+  return {
+    "eqx_linear": eqx.nn.Linear(D, D, key=keys[0]),
+    "eqx_conv": eqx.nn.Conv1d(D, D, 3, padding=1, key=keys[1]),
+    "eqx_layer_norm": ln,
+    "eqx_rms_norm": rms,
+    "eqx_mha": eqx.nn.MultiheadAttention(
+      2,
+      D,
+      use_query_bias=True,
+      use_key_bias=True,
+      use_value_bias=True,
+      use_output_bias=True,
+      key=keys[2],
+    ),
+  }
+
+
+NNX = {name: nnx.split(layer) for name, layer in _nnx_layers().items()}
+EQX = _eqx_layers()
+LINEN_DENSE = linen.Dense(D, bias_init=jax.nn.initializers.normal(0.25))
+LINEN_PARAMS = LINEN_DENSE.init(jax.random.key(2), jnp.zeros((B, D)))
+LAYERS = (*NNX, *EQX, "linen_dense")
+# What each layer is on torch's autocast lists: linear/conv/attention "lower", the
+# norms their input dtype on CPU and "fp32" on CUDA (layer_norm, rms_norm).
+LAYER_KIND = {name: name.split("_", 1)[1] for name in LAYERS}
+LAYER_KIND["linen_dense"] = "linear"
+
+
+def _layer_weights():
+  """Each layer's weights, as torch's functional ops take them, by name."""
+  out = {}
+  n = {name: nnx.merge(*gs) for name, gs in NNX.items()}
+  out["nnx_linear.w"], out["nnx_linear.b"] = n["nnx_linear"].kernel.T, n["nnx_linear"].bias
+  out["nnx_conv.w"] = jnp.transpose(n["nnx_conv"].kernel, (2, 1, 0))
+  out["nnx_conv.b"] = n["nnx_conv"].bias
+  out["nnx_layer_norm.w"], out["nnx_layer_norm.b"] = (
+    n["nnx_layer_norm"].scale,
+    n["nnx_layer_norm"].bias,
+  )
+  out["nnx_rms_norm.w"] = n["nnx_rms_norm"].scale
+  mha = n["nnx_mha"]
+  out["nnx_mha.in_w"] = jnp.concatenate(
+    [getattr(mha, k).kernel.reshape(D, D).T for k in ("query", "key", "value")]
+  )
+  out["nnx_mha.in_b"] = jnp.concatenate(
+    [getattr(mha, k).bias.reshape(D) for k in ("query", "key", "value")]
+  )
+  out["nnx_mha.out_w"], out["nnx_mha.out_b"] = mha.out.kernel.reshape(D, D).T, mha.out.bias
+  e = EQX
+  out["eqx_linear.w"], out["eqx_linear.b"] = e["eqx_linear"].weight, e["eqx_linear"].bias
+  out["eqx_conv.w"], out["eqx_conv.b"] = e["eqx_conv"].weight, e["eqx_conv"].bias[:, 0]
+  out["eqx_layer_norm.w"], out["eqx_layer_norm.b"] = (
+    e["eqx_layer_norm"].weight,
+    e["eqx_layer_norm"].bias,
+  )
+  out["eqx_rms_norm.w"] = e["eqx_rms_norm"].weight
+  em = e["eqx_mha"]
+  projs = (em.query_proj, em.key_proj, em.value_proj)
+  out["eqx_mha.in_w"] = jnp.concatenate([p.weight for p in projs])
+  out["eqx_mha.in_b"] = jnp.concatenate([p.bias for p in projs])
+  out["eqx_mha.out_w"], out["eqx_mha.out_b"] = em.output_proj.weight, em.output_proj.bias
+  dense = LINEN_PARAMS["params"]
+  out["linen_dense.w"], out["linen_dense.b"] = dense["kernel"].T, dense["bias"]
+  return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+
+PARAMS.update(_layer_weights())
 J_PARAMS = {k: jnp.asarray(v) for k, v in PARAMS.items()}
 T_PARAMS = {k: torch.tensor(v) for k, v in PARAMS.items()}
+
+
+def j_layer(name, x, row=False):
+  """The library's layer on a (B, D) value: Flax's as they take a batch (the
+  convolution and attention over the B axis, as a sequence), Equinox's mapped over
+  the rows (the convolution and attention on the sequence, one example). With
+  ``row``, on one row (D,), as each library takes one example."""
+  if row and name in EQX:
+    return EQX[name](x)
+  if name == "linen_dense":
+    return LINEN_DENSE.apply(LINEN_PARAMS, x)
+  if name in NNX:
+    return nnx.merge(*NNX[name])(x)
+  layer = EQX[name]
+  if name == "eqx_conv":
+    return layer(x.T).T
+  if name == "eqx_mha":
+    return layer(x, x, x)
+  return jax.vmap(layer)(x)
+
+
+def t_layer(name, p, x):
+  """The same layer in torch, on the same weights."""
+  kind = LAYER_KIND[name]
+  if kind == "linear":
+    return F.linear(x, p[f"{name}.w"], p[f"{name}.b"])
+  if kind == "conv":
+    return F.conv1d(x.T[None], p[f"{name}.w"], p[f"{name}.b"], padding=1)[0].T
+  if kind == "layer_norm":
+    return F.layer_norm(x, (D,), p[f"{name}.w"], p[f"{name}.b"], 1e-5)
+  if kind == "rms_norm":
+    with warnings.catch_warnings():
+      # a half input and float32 weights (autocast casts neither): torch warns that
+      # it runs its composite form
+      warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")
+      return F.rms_norm(x, (D,), p[f"{name}.w"], 1e-5)
+  out, _ = F.multi_head_attention_forward(
+    *(x[:, None],) * 3,
+    D,
+    2,
+    p[f"{name}.in_w"],
+    p[f"{name}.in_b"],
+    None,
+    None,
+    False,
+    0.0,
+    p[f"{name}.out_w"],
+    p[f"{name}.out_b"],
+    training=False,
+    need_weights=False,
+  )
+  return out[:, 0]
 
 
 # -- the ops, in JAX and in torch -------------------------------------------------------------
@@ -131,9 +291,38 @@ J_CASTS = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.floa
 T_CASTS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def _np_tanh(a):
+  return np.tanh(a.astype(np.float32)).astype(a.dtype)
+
+
 def j_op(name, p, xs, extra):
   """One op of the grammar in JAX (float32 code, as written for no autocast)."""
   x = xs[0]
+  if name == "layer":
+    return j_layer(extra, x)
+  if name == "row_layer":
+    return j_layer(extra, x, row=True)
+  if name == "callback":
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if extra == "io":
+      return io_callback(_np_tanh, shape, x)
+    return jax.pure_callback(_np_tanh, shape, x, vmap_method="sequential")
+  if name == "complex":
+    return jnp.fft.fft(x).real if extra == "fft_real" else jnp.abs(x * (1 + 1j))
+  if name == "cond":
+    inner, inner_extra = extra
+    return lax.cond(jnp.sum(xs[1]) > 0, lambda v: j_op(inner, p, [v], inner_extra), lambda v: v, x)
+  if name == "scan":
+    inner, inner_extra = extra
+    inner = "row_layer" if inner == "layer" else inner
+    return lax.scan(lambda c, row: (c, j_op(inner, p, [row], inner_extra)), None, x)[1]
+  if name == "while":
+    inner, inner_extra = extra
+
+    def body(c):
+      return c[0] + 1, j_op(inner, p, [c[1]], inner_extra)
+
+    return lax.while_loop(lambda c: c[0] < WHILE_STEPS, body, (0, x))[1]
   if name == "matmul":
     return x @ p["w"]
   if name == "linear":
@@ -177,6 +366,20 @@ def j_op(name, p, xs, extra):
 def t_op(name, p, xs, extra):
   """The same op in torch."""
   x = xs[0]
+  if name in ("layer", "row_layer"):
+    return t_layer(extra, p, x)
+  if name == "callback":
+    # A callback runs as the traced program has it: its input cast back to the
+    # dtype it was traced with (docs/autocast.md, "The policy, per JAX primitive",
+    # rule 4). That dtype is the value's dtype without autocast: float32 here, as
+    # the grammar applies callbacks only to values traced in float32.
+    return torch.tanh(x.float())
+  if name == "complex":
+    if extra == "fft_real":
+      return torch.fft.fft(x).real
+    # JAX has no complex32 (torch's complex half): a float16 value times a complex
+    # scalar is complex64 in JAX, its abs float32.
+    return ((x.float() if x.dtype == torch.float16 else x) * (1 + 1j)).abs()
   if name == "matmul":
     return x @ p["w"]
   if name == "linear":
@@ -221,6 +424,29 @@ def t_op(name, p, xs, extra):
   if name == "where":
     return torch.where(xs[0], xs[1], xs[2] if len(xs) > 2 else extra)
   raise AssertionError(name)
+
+
+# The ops a control-flow op (cond, scan, while) wraps; a layer is drawn with it.
+# cond and while need the op to keep the traced dtype (float32) of its input, scan
+# applies it to each row. In scan, "linear" (x @ w.T + b written out) is left out:
+# on a row, its bias has the matmul's shape, which jaxamp does not take for a bias
+# (docs/autocast.md, "The policy, per JAX primitive", rule 1).
+WRAPPED = ("matmul", "linear", "softmax", "log_softmax", "layer_norm", "gelu_tanh", "layer")
+ROW_LAYERS = tuple(n for n in LAYERS if LAYER_KIND[n] in ("linear", "layer_norm", "rms_norm"))
+WHILE_STEPS = 2
+CONTROL = ("cond", "scan", "while")
+
+
+def _cuda_rule(name, extra):
+  """The CUDA list's rule for an op of the grammar (``CUDA_LIST``)."""
+  if name in ("layer", "row_layer"):
+    return {"layer_norm": "fp32", "rms_norm": "fp32"}.get(LAYER_KIND[extra], "lower")
+  if name == "complex" and extra == "fft_real":
+    # torch's CUDA autocast lets fft through (a half input's FFT is complex32);
+    # XLA has no half FFT, and jaxamp computes it in float32 in both policies
+    # (policies.py, _LINALG)
+    return "fp32"
+  return CUDA_LIST.get(name)
 
 
 # torch's CUDA lists (docs/autocast.md, "CPU and CUDA lists") for the ops of the grammar:
@@ -308,7 +534,12 @@ def _draw_op(draw, infos, region):
   exact = [i for i in full if not infos[i].half_here]
   if region == "off" or (region == "disabled" and not exact):
     names = [n for n in names if n not in PARAMETRIC]
+  f32 = [i for i in full if infos[i].traced == "float32"]
+  if f32:
+    names += ["layer", "layer", "callback", "complex", *CONTROL]
   name = draw(st.sampled_from(names))
+  if name in ("layer", "callback", "complex", *CONTROL):
+    return _draw_issue41(draw, infos, region, name, f32, exact)
   if name in PARAMETRIC and region == "disabled":
     full = exact
   x = draw(
@@ -410,6 +641,40 @@ def _draw_op(draw, infos, region):
   return Op("where", args, extra, depth), Info("full", "float", v.traced, depth, False, from_mask)
 
 
+def _draw_issue41(draw, infos, region, name, f32, exact):
+  """A library's layer, a callback, a complex op, or an op inside ``cond``, ``scan``
+  or ``while``, on a (B, D) value traced in float32 (a value the function cast to a
+  half dtype itself is promoted by the layers in the trace: docs/autocast.md, "Type
+  promotion", the casts limitation)."""
+  # torch raises for a layer's float32 weights on a half input with autocast off
+  # (as for matmul, in _draw_op)
+  with_params = [] if region == "off" else [i for i in f32 if region != "disabled" or i in exact]
+  if name == "layer" and not with_params:
+    name = "callback"
+  if name == "layer":
+    x = draw(st.sampled_from(with_params))
+    op = Op(name, (x,), draw(st.sampled_from(LAYERS)), infos[x].depth + 1)
+  elif name in ("callback", "complex"):
+    x = draw(st.sampled_from(f32))
+    extras = ["pure", "io"] if name == "callback" else ["abs"]
+    if name == "complex" and x in with_params:
+      extras.append("fft_real")  # torch has no half FFT on CPU: autocast on, or float32
+    op = Op(name, (x,), draw(st.sampled_from(extras)), infos[x].depth + 1)
+  else:
+    inner = [n for n in WRAPPED if not (name == "scan" and n == "linear")]
+    if not with_params:
+      inner = [n for n in inner if n not in ("matmul", "linear", "layer")]
+    wrapped = draw(st.sampled_from(inner))
+    x = draw(st.sampled_from(with_params if wrapped in ("matmul", "linear", "layer") else f32))
+    extra = None
+    if wrapped == "layer":
+      extra = draw(st.sampled_from(ROW_LAYERS if name == "scan" else LAYERS))
+    steps = WHILE_STEPS if name == "while" else 1
+    args = (x, 2) if name == "cond" else (x,)  # cond's predicate: the integer input's sum
+    op = Op(name, args, (wrapped, extra), infos[x].depth + steps)
+  return op, Info("full", "float", "float32", op.depth, False, infos[x].from_mask)
+
+
 def _draw_program(draw, infos, n_ops, nest, region=None):
   ops = []
   infos = list(infos)
@@ -495,14 +760,19 @@ def run_torch(ops, values, dtype, cuda_lists=False, enabled=True):
           new = run_torch(region.ops, inner, dtype, cuda_lists, enabled=False)
       values += new[len(values) :]
       continue
-    xs, p = [values[i] for i in op.args], T_PARAMS
-    rule = CUDA_LIST.get(op.name) if cuda_lists and enabled else None
-    if rule == "lower":
-      xs = [x.to(half) if x.is_floating_point() else x for x in xs]
-      p = {k: v.to(half) for k, v in p.items()}
-    elif rule == "fp32":
-      xs = [x.float() if x.is_floating_point() else x for x in xs]
-    out = t_op(op.name, p, xs, op.extra)
+
+    def apply(name, xs, extra):
+      p = T_PARAMS
+      rule = _cuda_rule(name, extra) if cuda_lists and enabled else None
+      if rule == "lower":
+        xs = [x.to(half) if x.is_floating_point() else x for x in xs]
+        p = {k: v.to(half) for k, v in p.items()}
+      elif rule == "fp32":
+        xs = [x.float() if x.is_floating_point() else x for x in xs]
+      return t_op(name, p, xs, extra)
+
+    xs = [values[i] for i in op.args]
+    out = _t_control(op, xs, apply) if op.name in CONTROL else apply(op.name, xs, op.extra)
     if cuda_lists and op.name in ("sum", "mean") and op.traced_in != "float32":
       # jnp sums a half array in float32 and casts the sum back to that dtype: the
       # cast is in the jaxpr and runs as written (docs/autocast.md, "Type
@@ -510,6 +780,31 @@ def run_torch(ops, values, dtype, cuda_lists=False, enabled=True):
       out = out.to(T_CASTS[op.traced_in])
     values.append(out)
   return values
+
+
+def _t_control(op, xs, apply):
+  """``cond``, ``scan`` and ``while`` in torch, as jaxamp rebuilds them
+  (docs/autocast.md, "Nested jaxprs"): a ``cond``'s output in the widest dtype its
+  branches give (the op's and its input's, the other branch being the identity), a
+  loop's carry cast back to the dtype its initial value arrives in; ``scan`` maps
+  the op over the rows."""
+  inner, extra = op.extra
+  x = xs[0]
+  if op.name == "cond":
+    out = apply(inner, [x], extra)
+    taken = out if int(xs[1].sum()) > 0 else x
+    return taken.to(torch.promote_types(out.dtype, x.dtype))
+  if op.name == "scan":
+    inner = "row_layer" if inner == "layer" else inner
+    rows = [apply(inner, [row], extra) for row in x]
+    # torch's autocast refuses to stack values of the other half dtype (a nested
+    # region's); stacking rows of one dtype keeps it
+    with torch.autocast("cpu", enabled=False):
+      return torch.stack(rows)
+  v = x
+  for _ in range(WHILE_STEPS):
+    v = apply(inner, [v], extra).to(x.dtype)
+  return v
 
 
 def _dtype_name(x):
