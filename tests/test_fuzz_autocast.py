@@ -870,7 +870,7 @@ FUSED = {
 }
 
 
-def _check_fused(ours, theirs, ops, half):
+def _check_fused(ours, theirs, ops, half, infos):
   """Each fused op of the program's own region (autocast on, ``half``) whose input
   is torch's bit for bit: jaxamp's output and torch's both within the bound of
   the op computed in float32 and rounded once, at every element (torch's
@@ -878,7 +878,10 @@ def _check_fused(ours, theirs, ops, half):
   float32 and round once, with different float32 arithmetic (XLA's, torch's own
   kernels, oneDNN's), so neither is held to the other's bits. (With every
   primitive rounding in the half dtype they differed by up to several ulps;
-  issue #31.)"""
+  issue #31.) A GELU of a value the program cast to the half dtype itself is
+  left out: jnp traced its constants in that dtype, and they stay rounded
+  (docs/autocast.md, "Fused ops: computed in float32, rounded once", "Not
+  recognised")."""
   problems = []
   k = 0
   for op in ops:
@@ -886,7 +889,8 @@ def _check_fused(ours, theirs, ops, half):
       k += len(_outputs(op.extra.ops))
       continue
     o, t = ours[k + len(INPUTS)], theirs[k + len(INPUTS)]
-    if op.name in FUSED and _dtype_name(t) == _dtype_name(o) == half:
+    constants_in_half = op.name.startswith("gelu") and infos[op.args[0]].traced != "float32"
+    if op.name in FUSED and _dtype_name(t) == _dtype_name(o) == half and not constants_in_half:
       x, tx = ours[op.args[0]], theirs[op.args[0]]
       same = _dtype_name(x) == _dtype_name(tx) and np.array_equal(
         np.asarray(x, np.float64), tx.double().numpy(), equal_nan=True
@@ -940,7 +944,7 @@ def test_random_programs_match_torch_autocast(program, half, seed, jitted):
   failures += _check_values(ours, theirs, ops, infos, dtypes)
   inputs = [jnp.asarray(x), jnp.asarray(m), jnp.asarray(i)]
   t_inputs = [torch.tensor(x), torch.tensor(m), torch.tensor(i)]
-  failures += _check_fused([*inputs, *ours], [*t_inputs, *theirs], ops, half)
+  failures += _check_fused([*inputs, *ours], [*t_inputs, *theirs], ops, half, infos)
 
   cuda = jax.eval_shape(
     jaxamp.autocast(lambda *v: run_jax(ops, v, half, "cuda")[3:], HALVES[half][0], policy="cuda"),
