@@ -97,27 +97,18 @@ def apply_scaled_updates(
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     params = optax.apply_updates(params, updates)
 
-  The loss-scale state, every skip decision and the unscaled gradients the
-  optimizer sees are bit-identical to it. Params and the inner state agree to
-  the last bits: XLA CPU fuses the single expression differently (multiply-add
-  contraction inside the optimizer's own arithmetic), as two ways of writing
-  the same optax step may.
-
-  ``tx`` holds a :func:`dynamic_loss_scale` that receives ``grads`` unchanged:
-  bare, inside ``optax.inject_hyperparams``, or first in ``optax.chain``, and
-  ``tx`` may be :func:`accumulate_gradients` around that (then each call adds
-  ``grads`` to the window, and the window's last runs the fused step on the
-  sum); anything else (a transformation in front of it, ``optax.MultiSteps``
-  around it) is refused, since the gradients it would check are not these. The
-  gradients are checked once; the step then runs in a ``lax.cond``: on finite
-  gradients the whole update (unscale, inner optimizer, ``apply_updates``)
-  compiles to one branch that XLA fuses, with no materialised updates and no
-  second check; on a skipped step only the loss-scale bookkeeping runs and
-  ``params`` and the inner state come back untouched. Donate ``params`` and
-  ``opt_state`` to ``jax.jit`` to update them in place, in the order they are
-  returned (``step(params, opt_state, grads) -> (params, opt_state)`` with
-  ``donate_argnums=(0, 1)``): JAX pairs each donated input with the first
-  output of its shape, and a crosswise pairing makes XLA copy every buffer.
+  The loss-scale state, every skip decision and the unscaled gradients are
+  bit-identical to it; params and the inner state agree to the last bits (XLA
+  contracts the fused expression's multiply-adds otherwise). ``tx`` holds a
+  :func:`dynamic_loss_scale` that receives ``grads`` unchanged (bare, inside
+  ``optax.inject_hyperparams``, or first in ``optax.chain``), possibly under an
+  outermost :func:`accumulate_gradients`; anything else is refused. The
+  gradients are checked once, then one ``lax.cond`` runs the whole update
+  (unscale, optimizer, ``apply_updates``) fused in its applied branch, or, on a
+  skipped step, only the scale's bookkeeping. Donate ``params`` and
+  ``opt_state`` in the order they are returned (``donate_argnums=(0, 1)`` of
+  ``step(params, opt_state, grads)``) to update them in place: JAX pairs each
+  donated input with the first output of its shape.
 
   Args:
     tx: the optimizer, holding a :func:`dynamic_loss_scale`.
