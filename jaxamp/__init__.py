@@ -11,9 +11,12 @@ from jaxamp._frontends.checkpoint import load_state_dict, state_dict
 from jaxamp._frontends.fused import apply_scaled_updates
 from jaxamp._frontends.grad_scaler import GradScaler
 from jaxamp._frontends.optimizer import Optimizer
+from jaxamp._frontends.serialization import register_with_flax
 from jaxamp._frontends.state_access import get_loss_scale, scale_loss
 from jaxamp._frontends.transform import DynamicLossScaleState, dynamic_loss_scale
 from jaxamp._torch.clipping import clip_grad_norm
+
+register_with_flax()
 
 __version__ = "0.2.0"
 

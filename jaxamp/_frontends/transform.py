@@ -12,6 +12,7 @@ import optax
 from jaxamp import _engine as engine
 from jaxamp._config import LossScaleConfig, loss_scale_config
 from jaxamp._engine import Check
+from jaxamp._frontends.serialization import register_with_flax
 from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._torch.groups import ParamLabels, SteppedGroups, check_steps, grouped
 from jaxamp._validation import (
@@ -290,6 +291,7 @@ def dynamic_loss_scale(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    register_with_flax()
     return DynamicLossScaleState(
       **init_core(config)._asdict(),
       nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], bool),
