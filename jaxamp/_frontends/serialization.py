@@ -8,19 +8,23 @@ orbax restores them. Registered where flax is loaded, at import or at ``init``.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from jaxamp._config import LossScaleConfig
 from jaxamp._torch.groups import SteppedGroups
 
 
+_registered: list = []  # the flax.serialization module registered with, once
+
+
 def register_with_flax() -> None:
   """Registers the static parts of jaxamp's states with ``flax.serialization``
   when flax is imported (a no-op otherwise, and when done already)."""
-  serialization = sys.modules.get("flax.serialization")
-  if serialization is None or getattr(serialization, "_jaxamp_registered", False):
+  serialization: Any = sys.modules.get("flax.serialization")
+  if serialization is None or _registered:
     return
   for static in (LossScaleConfig, SteppedGroups):
     serialization.register_serialization_state(
       static, lambda _: {}, lambda target, _: target, override=True
     )
-  serialization._jaxamp_registered = True
+  _registered.append(serialization)
