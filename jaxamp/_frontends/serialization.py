@@ -13,7 +13,6 @@ from typing import Any
 from jaxamp._config import LossScaleConfig
 from jaxamp._torch.groups import SteppedGroups
 
-
 _registered: list = []  # the flax.serialization module registered with, once
 
 
