@@ -32,6 +32,7 @@ RUN_HERE = [
   "docs/speed.md",
   "docs/optax.md",
   "docs/autocast.md",
+  "docs/index.md",
 ]
 
 
