@@ -27,36 +27,28 @@ from jaxamp._xla.layout import row_major
 
 
 class DynamicLossScaleState(NamedTuple):
-  """State of :func:`dynamic_loss_scale`.
-
-  The fields up to ``update_count`` are the loss-scale core, shared with
-  ``jaxamp.GradScaler``.
+  """State of :func:`dynamic_loss_scale`; the fields up to ``update_count`` are GradScaler's too.
 
   Attributes:
     loss_scale: the scale to multiply the next loss by, float32 ``[]``.
     growth_tracker: consecutive finite updates since the last growth or
       backoff, int32 ``[]`` (torch's ``_growth_tracker``).
-    found_inf: whether the last update found inf/NaN and was skipped, bool ``[]``
-      (after a step with ``update_scale=False``: whether any group stepped
-      since the scale last advanced found inf/NaN).
+    found_inf: whether the last update found inf/NaN and was skipped, bool ``[]`` (after
+      ``update_scale=False``: whether any group stepped since the scale advanced did).
     skipped_steps: total skipped updates, int32 ``[]`` (saturates at 2**31-1).
     consecutive_skipped_steps: skipped updates since the last applied one,
       int32 ``[]`` (saturating).
     hysteresis_tracker: overflowing steps still tolerated before a backoff,
       int32 ``[]`` (always ``hysteresis``, 1 by default: torch backs off at once).
     update_count: updates so far, skipped or not, int32 ``[]`` (saturating).
-    nonfinite_leaves: for each leaf of the params given to ``init``
-      (``jax.tree.leaves`` order), whether its gradient held inf/NaN in the
-      last skipped step, bool ``[n_leaves]`` (never for a ``None`` gradient
-      or a non-array leaf); see :func:`jaxamp.ops.nonfinite_leaf_paths`.
-    stepped_groups: the ``param_labels`` groups stepped with
-      ``update_scale=False`` since the scale last advanced: static, no leaves,
-      part of the tree structure (empty but between such a step and the
-      iteration's last update).
-    config: the configuration the transformation was built with: static, no
-      leaves, part of the tree structure (build ``shard_map`` specs from this
-      state, not another transformation's); injected hyperparameters are
-      recorded as ``<injected>``.
+    nonfinite_leaves: per leaf of the params given to ``init``, whether its gradient held
+      inf/NaN in the last skipped step, bool ``[n_leaves]``
+      (:func:`jaxamp.ops.nonfinite_leaf_paths`).
+    stepped_groups: the ``param_labels`` groups stepped with ``update_scale=False``
+      since the scale last advanced: static, part of the tree structure.
+    config: the configuration the transformation was built with: static, part of the
+      tree structure (build ``shard_map`` specs from it); injected hyperparameters
+      are recorded as ``<injected>``.
     inner_state: the wrapped transformation's state, untouched by skipped updates.
   """
 
@@ -79,10 +71,8 @@ def core_of(state: DynamicLossScaleState) -> LossScaleCore:
 
 @jax.tree_util.register_pytree_node_class
 class CheckedState:
-  """A :class:`DynamicLossScaleState` whose gradients ``apply_scaled_updates``
-  has checked already, given to ``update`` in its place from inside one of its
-  branches: the engine's ``Check``, and, static, that branch's ``found_inf``
-  and whether the call is eager (the caller then checks the skip limit after it)."""
+  """A state whose gradients ``apply_scaled_updates`` checked already, with its ``Check``,
+  and, static, its branch's ``found_inf`` and whether the call is eager."""
 
   def __init__(self, state: DynamicLossScaleState, check: Check, found_inf: bool, eager: bool):
     self.state, self.check, self.found_inf, self.eager = state, check, found_inf, eager
@@ -179,30 +169,13 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
-  Multiply the loss by ``get_loss_scale(opt_state)`` (or use
-  :func:`scale_loss`) and pass the gradients of the *scaled* loss to
-  ``update``. Each update is one torch iteration, jitted, with no host
-  synchronisation (outside ``jit`` it compiles once per shapes)::
-
-    unscaled, found_inf = unscale_and_check(grads, loss_scale)
-    if found_inf:  updates, inner_state = zeros, inner_state      # skipped
-    else:          updates, inner_state = inner.update(unscaled, inner_state, params)
-    loss_scale, growth_tracker = update_loss_scale(...)           # torch's rule
-
-  The inner update is not computed on a skipped step (``lax.cond``), and the
-  inner state comes back bit-identical. Transformations chained inside
-  ``inner`` (e.g. ``optax.clip_by_global_norm``) see unscaled gradients; put
-  none in front of the scaler, where they would see scaled ones.
-
-  With ``param_labels``, a group whose gradients are all ``None`` is not
-  stepped (its optimizer is not called; its state comes back as it was), and
-  ``update(..., update_scale=False)`` is torch's ``scaler.step(opt)`` without
-  ``scaler.update()``: the groups stepped skip on their own inf/NaN and the
-  scale waits for the iteration's last update (``update_scale=True``, the
-  default), which advances it once on the found_inf of every group stepped
-  since. Optimizers that step one after the other, a GAN's discriminator then
-  its generator, share one scale so (docs/optax.md, "Optimizers that step one
-  after the other (a GAN)").
+  Multiply the loss by ``get_loss_scale(opt_state)`` (or use :func:`scale_loss`) and
+  pass the gradients of the *scaled* loss to ``update``: each update is one torch
+  iteration (docs/torch_semantics.md), jitted, with no host sync; a skipped one leaves
+  the inner state bit-identical. Transformations inside ``inner`` see unscaled
+  gradients (docs/optax.md). ``update(..., update_scale=False)`` is torch's
+  ``scaler.step(opt)`` without ``scaler.update()`` (docs/optax.md, "Optimizers that
+  step one after the other (a GAN)").
 
   Args:
     inner: the optimizer to run on unscaled gradients; with ``param_labels``,
