@@ -44,11 +44,8 @@ def _holds_scaler(node: Any) -> bool:
 
 
 def _check_sees_grads_as_given(opt_state: Any) -> None:
-  """Raises unless the jaxamp state is where its transformation receives the
-  gradients unchanged: bare, inside ``optax.inject_hyperparams``, or first in
-  ``optax.chain``, recursively, under at most an outermost ``accumulate_gradients``
-  (whose window sum the fast path checks). Calling ``tx.update`` instead is no
-  way out: what stands in front of the scaler sees the still-scaled gradients."""
+  """Raises unless the jaxamp state receives the gradients unchanged: bare, inside
+  ``inject_hyperparams`` or first in ``chain``, under at most an outer accumulation."""
   # A layout, not a type, is wrong here: ValueError, as documented.
   root = isinstance(opt_state, AccumulateGradientsState)
   node = opt_state.inner_state if root else opt_state
@@ -97,18 +94,12 @@ def apply_scaled_updates(
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     params = optax.apply_updates(params, updates)
 
-  The loss-scale state, every skip decision and the unscaled gradients are
-  bit-identical to it; params and the inner state agree to the last bits (XLA
-  contracts the fused expression's multiply-adds otherwise). ``tx`` holds a
-  :func:`dynamic_loss_scale` that receives ``grads`` unchanged (bare, inside
-  ``optax.inject_hyperparams``, or first in ``optax.chain``), possibly under an
-  outermost :func:`accumulate_gradients`; anything else is refused. The
-  gradients are checked once, then one ``lax.cond`` runs the whole update
-  (unscale, optimizer, ``apply_updates``) fused in its applied branch, or, on a
-  skipped step, only the scale's bookkeeping. Donate ``params`` and
-  ``opt_state`` in the order they are returned (``donate_argnums=(0, 1)`` of
-  ``step(params, opt_state, grads)``) to update them in place: JAX pairs each
-  donated input with the first output of its shape.
+  The loss-scale state and every skip decision are bit-identical to it, params and
+  the inner state to the last bits; one ``lax.cond`` runs it all (docs/speed.md).
+  ``tx`` holds a :func:`dynamic_loss_scale` that receives ``grads`` unchanged (bare,
+  inside ``optax.inject_hyperparams``, or first in ``optax.chain``), possibly under an
+  outermost :func:`accumulate_gradients`. Donate ``params`` and ``opt_state`` in the
+  order they are returned to update them in place.
 
   Args:
     tx: the optimizer, holding a :func:`dynamic_loss_scale`.
@@ -196,8 +187,7 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
 
 
 def _fused_step(tx, grads, opt_state, params, extra_args, eager):
-  """The engine's check once, then the whole update (``tx.update`` and
-  ``apply_updates``) in its applied branch, or the skip."""
+  """The engine's check once, then ``tx.update`` and ``apply_updates`` or the skip."""
   scale_state = find_loss_scale_state(opt_state)
   config = scale_state.config
   if not config.enabled:  # a disabled scaler checks nothing and never skips
