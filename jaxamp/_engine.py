@@ -1,22 +1,9 @@
 """One torch iteration for a tree of gradients: check, then apply or skip.
 
-Every front-end runs its steps through this module: :func:`apply_or_skip` is
-the one conditional of a step, and :func:`skipped_state` what a skip leaves.
-It is torch's ``GradScaler`` iteration (docs/torch_semantics.md); the caller
-then advances the scale once (``jaxamp._torch.core.advance``)::
-
-  nonfinite = [not all(isfinite(g)) for g in grads]   # the still-scaled grads
-  found_inf = any(nonfinite)                          # all-reduced over axis_name
-  unscaled = grads * inv_scale                        # torch's exact unscale
-  if found_inf:                                       # skipped: update never runs
-    updates, inner_state = zeros, inner_state         # schedules advanced, if counted
-  else:
-    updates, inner_state = update(unscaled, inner_state, params)
-  core = advance(core, found_inf)                     # torch's _amp_update_scale_
-
-With several optimizers (``param_labels``), each group is skipped on its own
-inf/NaN and the scale backs off once. Compiler workarounds stay behind
-``jaxamp._xla``: this module reads as plain JAX.
+Every front-end runs its steps through :func:`iteration` and :func:`apply_or_skip`,
+torch's ``GradScaler`` iteration (docs/torch_semantics.md); the caller then advances
+the scale once (``jaxamp._torch.core.advance``). Compiler workarounds stay behind
+``jaxamp._xla``.
 """
 
 from __future__ import annotations
@@ -38,23 +25,15 @@ from jaxamp._xla.fma_guard import rounded_unscaled
 
 
 class Check(NamedTuple):
-  """The check of one iteration's gradients.
+  """The check of one iteration's gradients."""
 
-  Attributes:
-    nonfinite: per gradient leaf, whether it holds inf/NaN, bool ``[n_leaves]``.
-    found_inf: whether any does, bool ``[]`` (the same on every device).
-    inverse: torch's ``inv_scale`` as ``inverse_parts`` of the scale, computed
-      once, outside the branches.
-  """
-
-  nonfinite: jax.Array
-  found_inf: jax.Array
-  inverse: tuple[jax.Array, ...]
+  nonfinite: jax.Array  # per gradient leaf, whether it holds inf/NaN
+  found_inf: jax.Array  # whether any does (the same on every device)
+  inverse: tuple[jax.Array, ...]  # torch's inv_scale as inverse_parts, outside the branches
 
 
 def check(grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any) -> Check:
-  """torch's inf/NaN check of the still-scaled ``grads``, shared by every device
-  of ``config.axis_name`` (``state``, the loss-scale state, must be replicated)."""
+  """torch's inf/NaN check of the still-scaled ``grads``, shared over ``config.axis_name``."""
   if config.axis_name is None:
     varying = sorted(set().union(*map(varying_axes, jax.tree.leaves(grads))))
     if varying:
@@ -70,14 +49,12 @@ def check(grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any
 
 
 def unscaled(grads: Any, check: Check, loss_scale: jax.Array) -> Any:
-  """The finite ``grads`` times torch's ``inv_scale``, each value as torch
-  materialises it before the optimizer reads it."""
+  """The finite ``grads`` times torch's ``inv_scale``, as torch materialises them."""
   return rounded_unscaled(unscale_finite_by(grads, check.inverse), loss_scale)
 
 
 def skipped_state(inner_state: Any, schedule_counts: str) -> Any:
-  """The inner state after a skipped step: as it was, with its schedules one
-  step on when they count iterations (torch's ``LRScheduler.step()``)."""
+  """The inner state after a skip: as it was, its schedules on a step if they count iterations."""
   return advance_schedule_counts(inner_state) if schedule_counts == "iterations" else inner_state
 
 
@@ -88,10 +65,8 @@ def _like(value: jax.Array, template: Any) -> jax.Array:
 
 
 def typed_like(value: Any, template: Any) -> Any:
-  """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance: an
-  optimizer may widen its state on its first update (optax's Adam promotes a
-  bfloat16 parameter's moments to float32 with an injected float32 rate), and
-  both branches of a step must return the same types."""
+  """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance, as both
+  branches must return (an optimizer may widen its state on its first update)."""
   return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
 
 
@@ -100,10 +75,8 @@ def _typeof(x: Any) -> Any:
 
 
 def _on_arrays(fn: Callable[..., Any], operands: tuple, static_out: list):
-  """``fn`` as a function of the array leaves of ``operands`` only, returning
-  the array leaves of its output; each call appends the output's structure and
-  other leaves (an Equinox module's functions) to ``static_out``. Returns it
-  and the array leaves to call it with."""
+  """``fn`` on the array leaves of ``operands`` only, and those leaves; each call appends
+  its output's structure and non-array leaves to ``static_out``."""
   leaves, treedef = jax.tree.flatten(operands)
   dynamic = [is_array_leaf(leaf) for leaf in leaves]
 
@@ -137,10 +110,8 @@ def eval_shape(fn: Callable[..., Any], *operands: Any) -> Any:
 
 
 def with_output_types(apply: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
-  """``apply``, and a function giving its output types for a skipped branch,
-  which must return the same: those of ``apply``'s trace when it ran first (as
-  ``lax.cond`` traces its true branch), else ``jax.eval_shape``'s. The
-  optimizer is then traced once, not twice, for the compile time."""
+  """``apply``, and its output types for a skipped branch: those of ``apply``'s trace
+  if it ran first (as ``lax.cond`` traces it), so the optimizer is traced once."""
   seen: list[Any] = []
 
   def traced_apply(*operands):
@@ -160,18 +131,15 @@ def apply_or_skip(
   skip: Callable[..., Any],
   *operands: Any,
 ) -> Any:
-  """``skip(*operands)`` if ``found_inf`` else ``apply(*operands)``: the one
-  conditional of every step (``found_inf`` a Python bool: the caller's branch
-  is known, and only that one runs)."""
+  """``skip(*operands)`` if ``found_inf`` else ``apply(*operands)``: every step's one
+  conditional (a Python bool ``found_inf`` runs only that branch)."""
   if isinstance(found_inf, bool):
     return (skip if found_inf else apply)(*operands)
   return cond(jnp.logical_not(found_inf), apply, skip, *operands)
 
 
 def cond(pred: jax.Array, true_fn: Callable[..., Any], false_fn: Callable[..., Any], *operands):
-  """``lax.cond`` whose operands and outputs may hold leaves that are not arrays
-  (an Equinox module's activation functions): they pass around it as they are
-  (each branch returns its operands' own)."""
+  """``lax.cond`` whose operands and outputs may hold non-array leaves, passed around it."""
   if all(map(is_array_leaf, jax.tree.leaves(operands))):
     return lax.cond(pred, true_fn, false_fn, *operands)
   static_out: list = []
@@ -181,8 +149,7 @@ def cond(pred: jax.Array, true_fn: Callable[..., Any], false_fn: Callable[..., A
 
 
 def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):
-  """The inner update with the groups that found inf/NaN skipped: zero updates
-  for their leaves, and their inner states as they were."""
+  """The inner update with the groups that found inf/NaN skipped (zeros, states kept)."""
   updates, new_state = applied
   update_leaves, update_def = jax.tree.flatten(updates)
   update_leaves = [jnp.where(s, jnp.zeros_like(u), u) for s, u in zip(skipped, update_leaves)]
@@ -198,9 +165,8 @@ def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):
 def keep_skipped_params(
   params: Any, stepped: Any, check: Check, labels: list | None, grads: Any
 ) -> Any:
-  """``stepped`` with the params of every skipped group as they were (all of
-  them without groups); ``labels`` and ``check`` are those of the array
-  leaves of ``grads`` (a ``None`` gradient's param was not stepped)."""
+  """``stepped`` with the params of every skipped group as they were (all of them
+  without groups); ``labels`` and ``check`` are those of ``grads``' array leaves."""
   if labels is None:
     return params
   skipped = iter(skipped_leaves(check.nonfinite, labels))
@@ -223,17 +189,10 @@ def iteration(
   labels: list | None = None,
   branch: bool | None = None,
 ) -> tuple[Any, Any]:
-  """One torch iteration's apply-or-skip: ``(updates, inner_state)`` after
-  ``update`` (the inner optimizer's ``update(unscaled, inner_state, params)``)
-  is applied to the unscaled ``grads``, or skipped. The caller advances the
-  scale once, on the found_inf of every group its iteration stepped
-  (:func:`jaxamp._torch.core.advance`).
-
-  ``labels`` (one per gradient leaf) skip each group on its own inf/NaN.
-  ``branch`` is the caller's found_inf when it runs this inside its own branch
-  (``apply_scaled_updates``); a skipped one then returns zeros like ``grads``
-  and the inner state untyped, for the caller to type as its applied branch.
-  """
+  """One torch iteration's ``(updates, inner_state)``: ``update`` applied to the
+  unscaled ``grads``, or skipped. ``labels`` (per gradient leaf) skip each group on
+  its own; ``branch`` is the found_inf of the caller's own branch, whose skip then
+  returns zeros and the untyped inner state, typed by the caller."""
   if branch is None:
     # Unscaled before the branch, the optimizer compiles as a computation of
     # its own, as ``jax.jit(tx.update)`` does: the same arithmetic, bit for bit.
