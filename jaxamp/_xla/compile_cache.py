@@ -1,10 +1,7 @@
 """Compiled once: run a function jitted per static configuration and argument shapes.
 
-A ``lax.cond`` of fresh closures run outside ``jit`` compiles on every call;
-the front-ends call their steps through :func:`call_compiled`, so an eager
-training loop compiles each step once. Inside ``jit`` (any argument traced)
-the function is called as it is: a nested ``jax.jit`` there would only add
-its own lowering to the caller's compile time (BENCHMARKS.md, "Compile cache").
+A ``lax.cond`` of fresh closures run outside ``jit`` compiles on every call; through
+:func:`call_compiled` an eager loop compiles each step once (BENCHMARKS.md, "Compile cache").
 """
 
 from __future__ import annotations
@@ -43,14 +40,8 @@ def _hashable(value: Any) -> bool:
 
 
 def call_compiled(fn: Callable, static: Hashable, *args: Any) -> Any:
-  """``fn(static, *args)``, compiled once per ``fn``, ``static`` and argument shapes.
-
-  Array leaves of ``args`` (NumPy arrays included) are traced; any other leaf
-  (a Python number or a callable extra argument) is static, as given, so each
-  new value compiles once. Where a static part is unhashable, ``fn`` is traced
-  on every call instead. Under a trace (``jit``, ``grad``, ``vmap``) it is
-  ``fn(static, *args)``.
-  """
+  """``fn(static, *args)``, compiled once per ``fn``, ``static``, argument shapes and
+  non-array leaves (traced on every call where one is unhashable; as it is under a trace)."""
   if traced(args) or not enabled("compile_cache"):
     return fn(static, *args)
   leaves, treedef = jax.tree.flatten(args)
