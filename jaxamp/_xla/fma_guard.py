@@ -1,11 +1,8 @@
 """Values kept rounded as torch materialises them, where XLA would contract an
 FMA or skip a bfloat16 rounding.
 
-torch materialises the unscaled gradients, and the updates, in memory before
-the optimizer (or ``apply_updates``) reads them. Fused into one kernel, XLA
-CPU contracts ``a * b + c`` into an FMA, whose single rounding gives other bits.
-The guard XORs each value's bits with an int zero that XLA cannot prove is zero:
-the value is unchanged, and rounded to its dtype, at no memory pass.
+XLA CPU contracts ``a * b + c`` into an FMA where torch materialises ``a * b``; the
+guard XORs each value's bits with an int zero XLA cannot prove is zero, at no memory pass.
 """
 
 from __future__ import annotations
@@ -23,16 +20,13 @@ _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 
 def _runtime_zero(loss_scale: jax.Array) -> jax.Array:
-  """``isnan(loss_scale)`` as an int32: one only for a NaN scale, whose
-  unscaled gradients are all NaN anyway; it varies over no more ``shard_map``
-  axes than the scale."""
+  """``isnan(loss_scale)`` as an int32: one only for a NaN scale (all-NaN gradients anyway)."""
   return jnp.isnan(jnp.asarray(loss_scale)).astype(jnp.int32)
 
 
 @jax.custom_jvp
 def xor_bits(x: jax.Array, zero: jax.Array) -> jax.Array:
-  """``x`` (a float array) with its bits XOR-ed with the int ``zero``: the same
-  value, which XLA cannot prove unchanged."""
+  """``x`` with its bits XOR-ed with the int ``zero``: a value XLA cannot prove unchanged."""
   bits = _BITS[x.dtype.itemsize]
   return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) ^ zero.astype(bits), x.dtype)
 
@@ -74,13 +68,8 @@ def rounded_updates(updates: Any, loss_scale: jax.Array) -> Any:
 
 
 def kept_bfloat16(converted: jax.Array, source: Any) -> jax.Array:
-  """``converted``, a value of dtype ``source`` converted to a wider float,
-  keeping its rounding to bfloat16. XLA may skip rounding a float32 result to
-  bfloat16 that is converted straight back up (it allows excess precision),
-  where torch materialises the bfloat16 (BENCHMARKS.md, "autocast").
-  ``reduce_precision`` to bfloat16's 8 exponent and 7 mantissa bits is the
-  identity on a bfloat16 value, and XLA keeps it. float16 is left as it is:
-  ``reduce_precision`` would flush its subnormals, which float32 holds."""
+  """``converted`` (a ``source`` value widened) kept rounded to bfloat16, which XLA may
+  skip (BENCHMARKS.md, "autocast"); float16 as it is (its subnormals would flush)."""
   wider = jnp.issubdtype(converted.dtype, jnp.floating) and converted.dtype.itemsize > 2
   if np.dtype(source) != jnp.bfloat16 or not wider:
     return converted
