@@ -1,11 +1,7 @@
-"""The only imports of JAX's private modules (``jax._src``), for the JAX range
-pyproject.toml states. tests/test_jax_internals.py fails, naming the import,
-when a JAX release moves one of them.
+"""The only imports of JAX's private modules (tests/test_jax_internals.py names a moved one).
 
-- ``checkify``, ``debug_effect``: the ``max_consecutive_skips`` check is one
-  primitive that is a host callback under ``jit`` and a ``checkify`` error
-  under ``checkify`` (``jaxamp/_skip_limit.py``); JAX has no public API to
-  give a primitive a ``checkify`` rule.
+``checkify``, ``debug_effect``: JAX has no public API to give the skip-limit primitive
+(``jaxamp/_skip_limit.py``) a ``checkify`` rule.
 """
 
 from __future__ import annotations
