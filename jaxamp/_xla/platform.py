@@ -14,12 +14,8 @@ from jaxamp._xla import enabled
 def map_by_platform(
   tree: Any, chosen: Callable[[Any], bool], *, cpu: Callable, default: Callable
 ) -> Any:
-  """``tree`` with each leaf for which ``chosen(leaf)`` holds mapped by ``cpu``
-  on XLA CPU and by ``default`` elsewhere; the other leaves as they are.
-
-  One ``lax.platform_dependent`` for the whole tree: one case to lower, not
-  one a leaf.
-  """
+  """``tree`` with each ``chosen`` leaf mapped by ``cpu`` on XLA CPU and by ``default``
+  elsewhere, in one ``lax.platform_dependent`` for the whole tree."""
   leaves, treedef = jax.tree.flatten(tree)
   picked = [i for i, leaf in enumerate(leaves) if chosen(leaf)]
   if not picked:
