@@ -25,27 +25,13 @@ def autocast(
 ) -> Callable[..., Any]:
   """``fn`` with torch's autocast op policy: matmuls and convolutions in ``dtype``.
 
-  ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen
-  ``apply``). Each call traces it to a jaxpr and evaluates that equation by
-  equation: ``dot_general`` and ``conv_general_dilated`` (every matmul, linear,
-  einsum and conv) run in ``dtype`` (their float32 inputs cast to it, cast
-  once per call however often they are used), the primitives of torch's float32
-  list for ``policy`` (``"cuda"``, the default: ``exp``, ``log``, ``pow``,
-  ``rsqrt``, ``reduce_sum``, ...; ``"cpu"``: ``reduce_prod``, linear algebra,
-  FFT) run in float32, and every other primitive runs in the dtypes its inputs
-  arrive in, mixed inputs promoted as torch promotes (0-dim inputs, Python
-  scalars, bool and integer masks do not promote dimensioned float ones).
-  A call of a function torch computes as one fused kernel (``jax.nn.softmax``,
-  ``log_softmax``, ``gelu``, ``standardize``, Flax's and Equinox's
-  ``LayerNorm``, optax's softmax cross-entropies) runs in float32 and rounds
-  its result once, as torch's kernel does.
-  Parameters stay float32; gradients are those of the cast computation.
-
-  Regions nest as torch's contexts do, the innermost deciding: an ``autocast``
-  function called inside another runs with its own ``dtype`` and ``policy``,
-  one with ``enabled=False`` with autocast off, and :func:`autocast_disabled`
-  with autocast off after casting its inputs to float32. The policy, the
-  torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
+  ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen ``apply``),
+  traced and evaluated equation by equation: matmuls and convs in ``dtype``, the
+  primitives of torch's float32 list for ``policy`` in float32, torch's fused ops
+  (softmax, GELU, layer norm, ...) in float32 rounded once, every other primitive in
+  the dtypes its inputs arrive in, promoted as torch promotes. Parameters stay
+  float32. Regions nest as torch's contexts do, the innermost deciding. The policy,
+  the torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
 
   Args:
     fn: the function; its array arguments (leaves of any pytree) are traced,
@@ -123,9 +109,7 @@ def _region(
 
 
 def _module_call(nnx: Any, module: Any, mode: Mode) -> Callable[..., Any]:
-  """An NNX module's call with its state passed in and returned (so BatchNorm
-  statistics and Dropout's RNG counts update); the new state keeps the old
-  state's dtypes (parameters stay float32)."""
+  """An NNX module's call with its state passed in and returned, in the old state's dtypes."""
 
   def call(*args: Any, **kwargs: Any) -> Any:
     graphdef, state = nnx.split(module)
