@@ -1,5 +1,7 @@
 """``jaxamp.accumulate_gradients``: windows, and states restored into another window."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,70 @@ def test_accumulate_gradients_takes_the_largest_int32_window():
   params = {"w": jnp.ones(2)}
   updates, state = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
   assert updates["w"].tolist() == [0.0, 0.0] and int(state.mini_step) == 1
+
+
+def _torch_windows(grads, windows, lr, init_scale):
+  """torch's loop: ``.grad`` summed over each window's micro-batches (the
+  last window shorter), then ``scaler.step``, ``update`` and ``zero_grad``."""
+  torch = pytest.importorskip("torch")
+  w = torch.nn.Parameter(torch.ones(3))
+  opt = torch.optim.SGD([w], lr=lr)
+  scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
+  out, grads = [], iter(grads)
+  for size in windows:
+    for _ in range(size):
+      scaler.scale(torch.ones(()))  # the scale of this iteration, as a backward would use
+      g = torch.from_numpy(np.asarray(next(grads)))
+      w.grad = g.clone() if w.grad is None else w.grad + g
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    out.append((w.detach().numpy().copy(), scaler.get_scale()))
+  return out
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("form", ["optax", "apply_scaled_updates"])
+def test_accumulate_gradients_end_window_matches_torch_short_last_window(form):
+  # Windows of 3, 3 and 1 micro-batches (every_k=3, the last ended early),
+  # an inf in the second: torch's step() after fewer backward passes.
+  rng = np.random.default_rng(0)
+  grads = [rng.standard_normal(3).astype(np.float32) * 64 for _ in range(7)]
+  grads[4][1] = np.inf
+  want = _torch_windows(grads, [3, 3, 1], lr=0.1, init_scale=64.0)
+  tx = jaxamp.accumulate_gradients(
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, growth_interval=1), 3
+  )
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+
+  @functools.partial(jax.jit, static_argnames="end")
+  def step(params, state, g, end):
+    if form == "optax":
+      updates, state = tx.update(g, state, params, end_window=end)
+      return optax.apply_updates(params, updates), state
+    return jaxamp.apply_scaled_updates(tx, g, state, params, end_window=end)
+
+  got = []
+  for i, g in enumerate(grads):
+    params, state = step(params, state, {"w": jnp.asarray(g)}, i == 6)
+    if i in (2, 5, 6):
+      got.append((np.asarray(params["w"]), float(jaxamp.get_loss_scale(state))))
+  for (gw, gs), (ww, ws) in zip(got, want):
+    assert gw.tobytes() == ww.tobytes() and gs == ws
+  assert int(state.mini_step) == 0
+
+
+def test_accumulate_gradients_end_window_traced_and_refused_without_a_window():
+  tx = jaxamp.accumulate_gradients(optax.sgd(1.0), 4)
+  params = {"w": jnp.zeros(1)}
+  step = jax.jit(lambda g, s, end: tx.update(g, s, params, end_window=end))
+  updates, state = step({"w": jnp.ones(1)}, tx.init(params), jnp.bool_(True))
+  assert updates["w"].tolist() == [-1.0] and int(state.mini_step) == 0
+  bare = jaxamp.dynamic_loss_scale(optax.sgd(1.0))
+  with pytest.raises(TypeError, match="end_window ends a jaxamp.accumulate_gradients window"):
+    bare.update({"w": jnp.ones(1)}, bare.init(params), params, end_window=True)
+  with pytest.raises(TypeError, match="end_window ends a jaxamp.accumulate_gradients window"):
+    jaxamp.apply_scaled_updates(
+      bare, {"w": jnp.ones(1)}, bare.init(params), params, end_window=True
+    )

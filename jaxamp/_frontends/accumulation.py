@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxamp import _engine as engine
@@ -46,11 +47,17 @@ def accumulated(grads: Any, state: AccumulateGradientsState) -> Any:
   return jax.tree.map(add, state.acc_grads, grads, is_leaf=is_none)
 
 
-def at_window_end(state: AccumulateGradientsState, every_k: int, end, hold, *operands: Any):
-  """``end(*operands)`` on a window's last call, else ``hold(*operands)``: the
-  one place a window is closed (the optax form and ``apply_scaled_updates``)."""
+def at_window_end(
+  state: AccumulateGradientsState, every_k: int, end_window: Any, end, hold, *operands: Any
+):
+  """``end(*operands)`` on a window's last call (the ``every_k``-th, or one
+  ``end_window`` ends early), else ``hold(*operands)``: the one place a window
+  is closed (the optax form and ``apply_scaled_updates``)."""
+  if not (isinstance(end_window, (bool, np.bool_)) or jnp.shape(end_window) == ()):
+    raise TypeError(f"jaxamp: end_window must be a bool or a bool scalar, got {end_window!r}.")
   # >=, not ==: a state saved mid-window of a longer window ends on its next call.
-  return engine.cond(state.mini_step >= every_k - 1, end, hold, *operands)
+  ends = (state.mini_step >= every_k - 1) | jnp.asarray(end_window, bool)
+  return engine.cond(ends, end, hold, *operands)
 
 
 def after_window(state: AccumulateGradientsState, inner_state: Any):
@@ -71,6 +78,9 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
   the scale is fixed within a window and a window with inf/NaN is skipped. It
   sums (divide the loss by ``every_k``) and restarts from zeros, unlike
   ``optax.MultiSteps``; calls within a window return zero updates.
+  ``update(..., end_window=True)`` (a bool, or a traced bool scalar) makes
+  this call its window's last, as torch's ``step()`` after fewer
+  micro-batches (an epoch's shorter last window).
 
   Args:
     inner: the transformation run once per window on the summed gradients.
@@ -101,7 +111,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
     zeros = zeros_like_arrays(params)  # None for an Equinox module's functions
     return AccumulateGradientsState(jnp.zeros([], jnp.int32), zeros, inner.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, end_window=False, **extra_args):
     total = accumulated(updates, state)
 
     def end(total, inner_state, params):
@@ -113,7 +123,7 @@ def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> A
       zeros = jax.tree.map(zeros_of_type, shapes)
       return zeros, within_window(state, total)
 
-    return at_window_end(state, every_k, end, hold, total, state.inner_state, params)
+    return at_window_end(state, every_k, end_window, end, hold, total, state.inner_state, params)
 
   tx = AccumulateGradients(init_fn, update_fn)
   tx.inner, tx.every_k = inner, every_k

@@ -159,6 +159,11 @@ def apply_scaled_updates(
   grads = none_expanded(grads, params)
   check_float_gradients(grads)
   check_same_structure(grads, params)
+  if "end_window" in extra_args and not isinstance(opt_state, AccumulateGradientsState):
+    raise TypeError(
+      "jaxamp.apply_scaled_updates: end_window ends a jaxamp.accumulate_gradients window, "
+      "and tx accumulates nothing. Wrap it: jaxamp.accumulate_gradients(tx, every_k)."
+    )
   eager = not traced((grads, opt_state))
   arguments = (grads, opt_state, arrays_only(params), extra_args)
   new_params, new_state = call_compiled(_apply_scaled_updates, (tx, eager), *arguments)
@@ -173,6 +178,8 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
   grads = row_major(grads)  # before the conds: see row_major
   if not isinstance(opt_state, AccumulateGradientsState):
     return _fused_step(tx, grads, opt_state, params, extra_args, eager)
+  extra_args = dict(extra_args)
+  end_window = extra_args.pop("end_window", False)
   total = accumulated(grads, opt_state)
 
   def end(params, state):
@@ -183,7 +190,7 @@ def _apply_scaled_updates(static, grads, opt_state, params, extra_args):
   def hold(params, state):
     return params, within_window(state, total)
 
-  return at_window_end(opt_state, tx.every_k, end, hold, params, opt_state)
+  return at_window_end(opt_state, tx.every_k, end_window, end, hold, params, opt_state)
 
 
 def _fused_step(tx, grads, opt_state, params, extra_args, eager):

@@ -278,6 +278,11 @@ def dynamic_loss_scale(
     if isinstance(state, CheckedState):  # from inside apply_scaled_updates' branch
       checked, state = state, state.state
     check_state(state, recorded)
+    if "end_window" in extra_args:  # optax would pass it on to inner, unused
+      raise TypeError(
+        "jaxamp: end_window ends a jaxamp.accumulate_gradients window, and this "
+        "dynamic_loss_scale is not inside one: jaxamp.accumulate_gradients(tx, every_k)."
+      )
     updates = none_expanded(updates, params)
     check_float_gradients(updates)
     check_same_structure(updates, params)
