@@ -551,20 +551,23 @@ def test_lookahead_around_the_scaler_is_lookahead_around_a_cond_bit_for_bit(tree
 
 def _write_table(path: str) -> None:
   """The cells so far, merged with those other test processes (pytest-xdist
-  workers) wrote to ``path.json``, as Markdown to ``path``."""
-  rows = pathlib.Path(f"{path}.json")
+  workers) wrote to ``path.json``, as Markdown to ``path``. An earlier run's
+  cells stay in ``path.json`` until replaced: delete it to start afresh."""
+  saved = pathlib.Path(f"{path}.json")
   with open(f"{path}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    cells = json.loads(rows.read_text()) if rows.exists() else {}
+    cells = json.loads(saved.read_text()) if saved.exists() else {}
     cells.update({"\t".join(key): cell for key, cell in _CELLS.items()})
-    rows.write_text(json.dumps(cells, indent=0))
+    saved.write_text(json.dumps(cells, indent=0))
     lines = []
     for form in _FORMS:
+      rows = [[cells.get(f"{name}\t{tree}\t{form}", "") for tree in _TREES] for name in _OPTIMIZERS]
+      if not any(map(any, rows)):
+        continue
       lines += [f"### {form}", "", "| optimizer | " + " | ".join(_TREES) + " |"]
       lines += ["|---" * (len(_TREES) + 1) + "|"]
-      for name in _OPTIMIZERS:
-        row = [cells.get(f"{name}\t{tree}\t{form}", "") for tree in _TREES]
-        if any(row):
-          lines.append(f"| {name} | " + " | ".join(row) + " |")
+      lines += [
+        f"| {name} | " + " | ".join(row) + " |" for name, row in zip(_OPTIMIZERS, rows) if any(row)
+      ]
       lines.append("")
     pathlib.Path(path).write_text("\n".join(lines))
