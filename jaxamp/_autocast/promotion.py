@@ -1,11 +1,7 @@
 """torch's type promotion in a jaxpr, and the mixed-dtype arithmetic of its CPU kernels.
 
-In a jaxpr every input of an elementwise op already has one float dtype: jnp
-has converted masks and integers to float32 and broadcast Python scalars to
-arrays. :class:`Origins` records, for the values the interpreter makes, what
-torch's promotion would have seen (a Python scalar, a 0-dim tensor, a float
-made from a bool or an integer, a broadcast bias, a matmul output) and
-promotes as torch does (docs/autocast.md, "Type promotion").
+In a jaxpr jnp has already promoted every elementwise op's inputs; :class:`Origins`
+records what torch's promotion would have seen instead (docs/autocast.md, "Type promotion").
 """
 
 from __future__ import annotations
@@ -34,20 +30,14 @@ def widest(dtypes: list[Any]) -> Any:
 
 
 class Origins:
-  """What torch's promotion would see of the values of one trace, by their id.
-
-  A kind is ``"lower"`` for the outputs of matmuls and convs, ``"broadcast"``
-  for values broadcast or reshaped to a higher rank (a bias), ``"zerodim"`` for
-  a 0-dim value broadcast to an array, ``"scalar"`` for a Python scalar (a
-  literal, a weak-typed value, either broadcast to an array) and ``"int"`` for
-  a float converted from a bool or an integer.
-  """
+  """What torch's promotion would see of the values of one trace, by their id: a kind,
+  ``"lower"`` (a matmul's or conv's output), ``"broadcast"`` (a bias), ``"zerodim"``,
+  ``"scalar"`` (a Python scalar) or ``"int"`` (a float made from a bool or integer)."""
 
   def __init__(self) -> None:
     self._kinds: dict[int, tuple[Any, str]] = {}  # holds the value: its id stays unique
-    # id(output of a matmul or conv in a half dtype, or of its layout changes) ->
-    # (output, primitive, params, its half operands, the layout changes as
-    # (primitive, params)): what a bias add needs to add inside the op.
+    # id(a half matmul's or conv's output) -> (output, primitive, params, operands,
+    # layout changes as (primitive, params)): what a bias add needs inside the op.
     self._lower: dict[int, tuple[Any, Any, dict[str, Any], list[Any], tuple[Any, ...]]] = {}
 
   def mark(self, x: Any, kind: str | None) -> Any:
@@ -66,10 +56,8 @@ class Origins:
     return self.mark(out, "lower")
 
   def reshaped(self, eqn: Any, x: Any, out: Any, params: dict[str, Any]) -> Any:
-    """``out``, ``x`` broadcast, reshaped or transposed (``eqn`` with ``params``),
-    marked with what it is to torch. A matmul's or conv's output keeps being one
-    through a change of layout (``jax.vmap`` moves the batch axis, a library
-    reshapes the batch dimensions), so that its bias is still added inside."""
+    """``out``, ``x`` broadcast, reshaped or transposed, marked with what it is to torch
+    (a matmul's output stays one through a change of layout, for its bias)."""
     kind = self.kind(x)
     if kind == "lower" and np.size(x) == np.size(out):
       hit = self._lower.get(id(x))
@@ -104,10 +92,8 @@ class Origins:
     return "zerodim" if np.ndim(x) == 0 else None
 
   def _target(self, eqn: Any, args: list[Any], group: list[int]) -> Any:
-    """The dtype torch's promotion gives ``args[i] for i in group``: the widest
-    of the highest rank, a dimensioned float tensor first, then a 0-dim one; a
-    Python scalar or a float made from a bool or integer tensor never decides
-    (``half * mask`` stays half)."""
+    """The dtype torch's promotion gives ``args[i] for i in group``: the widest of the
+    highest rank (dimensioned, then 0-dim; scalars and masks never decide)."""
     ranks = [{None: 0, "zerodim": 1}.get(self._category(args[i], eqn.invars[i]), 2) for i in group]
     return widest([args[i].dtype for i, r in zip(group, ranks) if r == min(ranks)])
 
@@ -125,11 +111,8 @@ class Origins:
         args[i] = cast(args[i], target)
 
   def scalar_opmath(self, eqn: Any, args: list[Any], cast: Cast) -> Any:
-    """torch's CPU ``mul`` and ``div`` of a half tensor by a wider scalar (a
-    Python number, a 0-dim tensor; for ``div`` the divisor, for ``mul`` a 0-dim
-    tensor only second) compute in float32 and round once: they do not round
-    the scalar to the half dtype first, as the other ops do. None if ``eqn`` is
-    not one."""
+    """torch's CPU ``mul``/``div`` of a half tensor by a wider scalar, in float32 rounded
+    once (the scalar not rounded to half first); None if ``eqn`` is not one."""
     name = eqn.primitive.name
     if name not in ("mul", "div") or len(args) != 2 or not all(is_float(x.dtype) for x in args):
       return None
@@ -151,12 +134,8 @@ class Origins:
     return cast(out, target)
 
   def bias_add(self, args: list[Any], in_layer: bool) -> tuple[Any, Any] | None:
-    """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` to it: a value
-    broadcast to it (by jnp, or by the add itself: of its rank, with fewer
-    elements), or, inside a library's linear or conv layer (``in_layer``), one of
-    its shape (Equinox's ``Linear`` on one example, Flax's ``Dense`` on one
-    vector). A Python scalar or a 0-dim value is not a bias (torch adds it after
-    the op)."""
+    """``(matmul_or_conv_output, b)`` if ``args`` add a bias ``b`` to it: a value broadcast
+    to it or, inside a library's layer (``in_layer``), one of its shape; never a scalar."""
     if len(args) != 2:
       return None
     for out, b in (args, args[::-1]):
@@ -171,9 +150,8 @@ class Origins:
     return None
 
   def add_inside(self, out: Any, bias: Any) -> Any:
-    """``out + bias`` (``bias`` in ``out``'s half dtype) as torch's ``linear``,
-    ``addmm`` and ``conv`` compute it: the bias added to the float32
-    accumulator, the sum rounded once. None where the op is not known."""
+    """``out + bias`` as torch's ``linear`` and ``conv`` compute it, rounded once; None if
+    the op is not known."""
     hit = self._lower.get(id(out))
     if hit is None or hit[0] is not out or np.ndim(bias) != np.ndim(out):
       return None
@@ -184,12 +162,8 @@ class Origins:
 def _with_bias(
   primitive: Any, params: dict[str, Any], lhs: Any, rhs: Any, bias: Any, layout: tuple = ()
 ) -> Any:
-  """``primitive(lhs, rhs) + bias`` (all in one half dtype) rounded once, with the
-  ``layout`` changes (``(primitive, params)``) of the product before the add:
-  the bias is added to the float32 result before the rounding, as torch's
-  kernels add it to their accumulator. The derivative is torch's backward of
-  ``linear``: half matmuls of the half cotangent, and the bias gradient summed
-  in float32 and rounded once."""
+  """``primitive(lhs, rhs) + bias`` (one half dtype, the product's ``layout`` changes
+  before the add) rounded once, with torch's backward of ``linear``."""
   half = bias.dtype
   wide = dict(params, preferred_element_type=F32)
 
