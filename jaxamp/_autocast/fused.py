@@ -1,12 +1,8 @@
 """torch's fused ops in a jaxpr: which equations are one call, and how the call runs.
 
-torch computes softmax, log-softmax, GELU, layer norm and cross-entropy in one
-kernel each, in float32, rounding the result once; JAX writes them as several
-primitives. ``fused_spans`` finds the calls of the functions of
-``policies.FUSED_FUNCTIONS`` in a jaxpr by the frames of its equations'
-tracebacks; ``run_fused`` runs one with its half inputs cast to float32, its
-equations as written with autocast off, and its result rounded once
-(docs/autocast.md, "Fused ops: computed in float32, rounded once").
+``fused_spans`` finds the calls of ``policies.FUSED_FUNCTIONS`` by their equations'
+tracebacks; ``run_fused`` runs one in float32, rounded once (docs/autocast.md, "Fused
+ops: computed in float32, rounded once").
 """
 
 from __future__ import annotations
@@ -67,10 +63,8 @@ def _frames(eqn: Any) -> tuple[tuple[Any, ...], tuple[int, ...]]:
 
 
 def _fused_call(eqn: Any) -> tuple[str, Any, Any] | None:
-  """``(op, call, frames)`` when ``eqn`` belongs to a call of a fused op: the
-  outermost fused op in its traceback, the call site (the frames outside the op,
-  with their offsets) and its whole traceback. A ``jit`` equation of a jitted
-  fused op (``jax.nn.log_softmax``) is a call by itself."""
+  """``(op, call site, traceback)`` when ``eqn`` belongs to a call of a fused op (the
+  outermost in its traceback); a ``jit`` equation of a jitted fused op is one by itself."""
   codes, lastis = _frames(eqn)
   for k in range(len(codes) - 1, -1, -1):
     op = _code_op(codes[k])
@@ -87,10 +81,8 @@ def _fused_call(eqn: Any) -> tuple[str, Any, Any] | None:
 
 
 def fused_spans(jaxpr: Any) -> dict[int, Span]:
-  """The calls of fused ops in ``jaxpr``, by their first equation. A call's
-  equations are consecutive (the trace records them in order); one that starts
-  where the same call site's last ended starts with its first equation's
-  traceback (two calls from one line, as in a loop)."""
+  """The calls of fused ops in ``jaxpr``, by their first equation (a call's equations are
+  consecutive; a first equation's traceback again starts a new call from one line)."""
   calls = [_fused_call(eqn) for eqn in jaxpr.eqns]
   if not any(calls):
     return {}
@@ -125,9 +117,8 @@ def fused_spans(jaxpr: Any) -> dict[int, Span]:
 
 
 def fused_dtype(interp: Interpreter, eqns: list[Any], read: Callable[[Any], Any]) -> Any:
-  """The half dtype of the half inputs of a fused op's call (``eqns``): what its
-  result rounds to. None where it runs primitive by primitive: no half input,
-  inputs in both half dtypes, or autocast off."""
+  """The one half dtype of a fused op's call's half inputs; None where it runs primitive
+  by primitive (no half input, both half dtypes, or autocast off)."""
   mode = region(eqns[0], interp.mode)
   if mode.dtype is None or mode.as_written or any(region(e, interp.mode) != mode for e in eqns):
     return None
@@ -151,10 +142,8 @@ def run_fused(
   read: Callable[[Any], Any],
   half: Any,
 ) -> None:
-  """A call of a fused op as torch's kernel computes it, into ``env``: its half
-  inputs cast to float32, its equations run with autocast off (in the dtypes
-  their inputs arrive in), its result rounded to ``half`` once, or kept float32
-  where the policy's float32 list has the op."""
+  """A fused op's call as torch's kernel computes it, into ``env``: in float32, rounded to
+  ``half`` once (kept float32 where the policy's float32 list has the op)."""
   mode = region(eqns[0], interp.mode)
 
   def read32(v: Any) -> Any:
@@ -169,10 +158,8 @@ def run_fused(
 
 
 def _in_float32(off: Interpreter, eqns: list[Any], env: dict[Any, Any], read32: Callable) -> None:
-  """``eqns`` (a fused op's call) run with autocast off on float32 inputs, into
-  ``env``: jnp's roundings of a half sum back to the half dtype are left out,
-  as torch's kernel has none, in a ``jit`` call the op makes too
-  (``jax.nn.standardize`` of a value that is half when traced)."""
+  """``eqns`` run with autocast off on float32 inputs, into ``env``, without jnp's
+  roundings back to a half dtype (torch's kernel has none), inside ``jit`` calls too."""
   for eqn in eqns:
     args = [read32(v) for v in eqn.invars]
     if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] in HALF:
