@@ -1,12 +1,7 @@
 """The jaxpr interpreter: a traced program re-run equation by equation, with casts.
 
-``autocast`` traces its function to a jaxpr; :class:`Interpreter` evaluates
-that jaxpr in the caller's trace, each equation by the mode of the region it
-is in (``modes.py``): matmuls and convs in the lower-precision dtype, the
-policy's float32 list in float32 (``policies.py``), mixed inputs promoted as
-torch promotes (``promotion.py``), the calls of torch's fused ops in float32
-(``fused.py``) and the nested jaxprs rebuilt with the policy inside
-(``higher_order.py``).
+:class:`Interpreter` evaluates ``autocast``'s jaxpr in the caller's trace, each equation
+by the mode of its region (``modes.py``), with the lists of ``policies.py``.
 """
 
 from __future__ import annotations
