@@ -1,11 +1,5 @@
-"""Higher-order primitives: the nested jaxprs of ``jit``, custom derivatives, loops,
-``cond`` and ``remat``, evaluated or rebuilt with the policy inside.
-
-``jit`` calls and ``custom_vjp`` primals are inlined (one cast cache); the
-others are rebuilt with ``lax`` and their bodies evaluated by a fresh
-interpreter (a nested trace) in the same mode (docs/autocast.md, "Nested
-jaxprs").
-"""
+"""Higher-order primitives, inlined (``jit``, ``custom_vjp``) or rebuilt with ``lax`` with
+the policy inside (docs/autocast.md, "Nested jaxprs")."""
 
 from __future__ import annotations
 
@@ -34,9 +28,7 @@ def _inline(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
 
 
 def _custom_jvp(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
-  """The custom rule when the policy changes nothing inside (``jax.nn.relu`` on a
-  float16 input: its own jvp at float16); otherwise the primal, inlined, and
-  differentiated as it is computed."""
+  """The custom rule when the policy changes nothing inside; otherwise the primal, inlined."""
   closed = eqn.params["call_jaxpr"]
   probe = interp.fresh()
   jax.make_jaxpr(lambda *a: probe.eval_jaxpr(closed.jaxpr, closed.consts, a))(*args)
