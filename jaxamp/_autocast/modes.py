@@ -1,10 +1,7 @@
 """Nested regions: the modes equations run by, and the name scopes that mark them.
 
-An ``autocast`` or ``autocast_disabled`` function called while an enclosing
-``autocast`` call traces its function is not interpreted: its equations are
-traced in a name scope naming its mode, and the enclosing interpreter runs each
-equation by the innermost such scope (torch: the innermost autocast context
-decides), one in none by the enclosing call's mode.
+Inside an enclosing ``autocast``'s trace, a nested one only names its mode in a name
+scope; the innermost scope decides (docs/autocast.md, "Nested regions").
 """
 
 from __future__ import annotations
