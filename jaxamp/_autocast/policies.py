@@ -63,10 +63,8 @@ POLICIES = {"cuda": FP32_CUDA, "cpu": FP32_CPU}
 # (torch's "opmath"; jnp.sum of a float16 array does the same).
 ACCUMULATE_F32 = frozenset({"reduce_sum", "cumsum", "cumlogsumexp", "reduce_prod", "cumprod"})
 
-# Primitives always evaluated as the original jaxpr had them: those whose
-# result depends on the bits of their input dtype, and host callbacks, whose
-# result dtypes were declared when traced (a half input would make a callback
-# return another dtype than it declared).
+# Primitives always run as traced: bit-level ones, and host callbacks (their result
+# dtypes were declared when traced).
 EXACT_DTYPE = frozenset(
   {"bitcast_convert_type", "reduce_precision", "nextafter", "pure_callback", "io_callback"}
 )
@@ -87,11 +85,8 @@ BIAS_LAYERS = frozenset(
   }
 )
 
-# torch's fused ops: one kernel that computes in float32 and rounds its result
-# once, where JAX decomposes the op into primitives that each round. A call of
-# one of these functions is recognised in a jaxpr by the frame it leaves in its
-# equations' tracebacks, (file, qualified name) (docs/autocast.md, "Fused ops:
-# computed in float32, rounded once").
+# torch's fused ops, by the (file, qualified name) frame of their equations'
+# tracebacks (docs/autocast.md, "Fused ops: computed in float32, rounded once").
 FUSED_FUNCTIONS = {
   ("jax/_src/nn/functions.py", "softmax"): "softmax",
   ("jax/_src/nn/functions.py", "log_softmax"): "log_softmax",
