@@ -94,3 +94,54 @@ def test_clip_by_torch_norm_matches_torch(norm_type):
   np.testing.assert_allclose(np.asarray(state[0].total_norm), want_norm, rtol=1e-6)
   for got, want in zip((updates["a"], updates["b"]), want_grads):
     np.testing.assert_allclose(-np.asarray(got), want, rtol=1e-6, atol=1e-7)
+
+
+# timm's utils/agc.py (v1.0), the formula torch programs call through
+# timm.utils.dispatch_clip_grad(..., mode="agc"), copied as written.
+def _timm_unitwise_norm(x, norm_type=2.0):
+  if x.ndim <= 1:
+    return x.norm(norm_type)
+  return x.norm(norm_type, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def _timm_adaptive_clip_grad(parameters, clip_factor=0.01, eps=1e-3, norm_type=2.0):
+  for p in parameters:
+    p_data, g_data = p.detach(), p.grad.detach()
+    max_norm = _timm_unitwise_norm(p_data, norm_type=norm_type).clamp_(min=eps).mul_(clip_factor)
+    grad_norm = _timm_unitwise_norm(g_data, norm_type=norm_type)
+    clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
+    new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
+    p.grad.detach().copy_(new_grads)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("form", ["function", "optax"])
+def test_adaptive_clip_matches_timm_in_torch_layout(norm_type, form):
+  # A Linear weight (out, in), its bias, a Conv2d kernel (out, in, h, w) and a
+  # positional embedding (1, tokens, width): no single optax axis fits them all.
+  rng = np.random.default_rng(0)
+  shapes = [(6, 5), (6,), (4, 3, 3, 3), (1, 7, 8)]
+  params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+  grads = [(rng.standard_normal(s) * rng.choice([1e-4, 1.0])).astype(np.float32) for s in shapes]
+  torch_params = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+  for p, g in zip(torch_params, grads):
+    p.grad = torch.from_numpy(g.copy())
+  _timm_adaptive_clip_grad(torch_params, 0.02, 1e-3, norm_type)
+  want = [p.grad.numpy() for p in torch_params]
+  jparams, jgrads = [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads]
+  if form == "function":
+    got = jaxamp.ops.adaptive_clip_grad(jgrads, jparams, 0.02, 1e-3, norm_type)
+  else:
+    tx = jaxamp.ops.adaptive_clip_by_torch_layout(0.02, 1e-3, norm_type)
+    got, _ = tx.update(jgrads, tx.init(jparams), jparams)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-6, atol=0)
+  assert any(not np.array_equal(w, g) for w, g in zip(want, grads))  # some were clipped
+  assert any(np.array_equal(w, g) for w, g in zip(want, grads))  # some were kept
+
+
+def test_adaptive_clip_by_torch_layout_needs_params():
+  tx = jaxamp.ops.adaptive_clip_by_torch_layout()
+  with pytest.raises(ValueError, match="pass params"):
+    tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))

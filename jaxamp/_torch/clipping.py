@@ -106,3 +106,81 @@ def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.Gradien
     return clipped, ClipGradNormState(total.astype(jnp.float32))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _unitwise_norm(x: jax.Array, norm_type: float) -> jax.Array:
+  """timm's ``unitwise_norm`` in torch's layout: one norm for a vector or a
+  scalar, one per output unit (the first axis) for a matrix or a kernel."""
+  axes = tuple(range(1, x.ndim)) if x.ndim > 1 else tuple(range(x.ndim))
+  x = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+  if norm_type == float("inf"):
+    return jnp.max(x, axis=axes, keepdims=True)
+  return jnp.sum(x**norm_type, axis=axes, keepdims=True) ** (1.0 / norm_type)
+
+
+def adaptive_clip_grad(
+  grads: Any, params: Any, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0
+) -> Any:
+  """timm's ``adaptive_clip_grad`` (AGC, Brock et al. 2021) on weights in torch's layout.
+
+  Each output unit's gradient (a row of a ``Linear`` weight, a filter of a
+  ``Conv`` kernel; a vector as a whole) is scaled to at most ``clip_factor``
+  times its weight's norm (at least ``eps``), as timm's formula:
+  ``where(g_norm < max_norm, g, g * max_norm / max(g_norm, 1e-6))``.
+  ``optax.adaptive_grad_clip`` takes Flax's layouts, whose output unit is the
+  last axis. Use it after ``scaler.unscale_``, on ``opt.grads`` and ``opt.params``.
+
+  Args:
+    grads: the gradients, a tree like ``params`` (``None`` leaves pass through).
+    params: the weights, in torch's layout (output features first).
+    clip_factor: the largest ratio of a unit's gradient norm to its weight norm.
+    eps: the smallest weight norm used.
+    norm_type: the p of the p-norms (``inf``: the largest magnitude).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxamp
+    >>> w = jnp.array([[3.0, 4.0], [0.0, 1.0]])
+    >>> g = jaxamp.ops.adaptive_clip_grad(jnp.array([[0.3, 0.4], [0.0, 0.001]]), w, 0.01)
+    >>> [[round(float(v), 6) for v in row] for row in g]  # row 0 clipped to norm 0.05
+    [[0.03, 0.04], [0.0, 0.001]]
+  """
+  norm_type = float(norm_type)
+
+  def clip(g: Any, p: Any) -> Any:
+    if g is None:
+      return None
+    max_norm = jnp.maximum(_unitwise_norm(p, norm_type), eps) * clip_factor
+    g_norm = _unitwise_norm(g, norm_type)
+    clipped = g * (max_norm / jnp.maximum(g_norm, 1e-6))
+    return jnp.where(g_norm < max_norm, g, clipped).astype(g.dtype)
+
+  return jax.tree.map(clip, grads, params, is_leaf=lambda x: x is None)
+
+
+def adaptive_clip_by_torch_layout(
+  clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0
+) -> optax.GradientTransformation:
+  """:func:`adaptive_clip_grad` as an optax transformation; put it inside
+  :func:`~jaxamp.dynamic_loss_scale`, where it sees unscaled gradients.
+
+  Args:
+    clip_factor: as :func:`adaptive_clip_grad`.
+    eps: as :func:`adaptive_clip_grad`.
+    norm_type: as :func:`adaptive_clip_grad`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.dynamic_loss_scale(optax.chain(
+    ...     jaxamp.ops.adaptive_clip_by_torch_layout(0.01), optax.sgd(1.0)), init_scale=2.0)
+    >>> params = {"w": jnp.array([[3.0, 4.0]])}
+    >>> updates, _ = tx.update({"w": jnp.array([[0.6, 0.8]])}, tx.init(params), params)
+    >>> [round(float(v), 6) for v in updates["w"][0]]
+    [-0.03, -0.04]
+  """
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("jaxamp: adaptive clipping scales by the weights' norms: pass params.")
+    return adaptive_clip_grad(updates, params, clip_factor, eps, norm_type), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
