@@ -1,9 +1,7 @@
 """Flax glue: a loss-scaling ``value_and_grad``, one-call updates, per-step metrics.
 
-Import it as ``from jaxamp import flax_utils``: the core ``jaxamp`` package does not
-import flax. Everything here works inside ``nnx.jit`` and ``jax.jit`` with no host
-sync; docs/flax.md has the NNX and linen steps. ``nnx.Optimizer.step`` and
-``TrainState.step`` count skipped updates too: read ``metrics["skipped_steps"]``.
+Import it as ``from jaxamp import flax_utils`` (``jaxamp`` does not import flax). It works
+inside ``nnx.jit`` and ``jax.jit`` with no host sync; docs/flax.md has the NNX and linen steps.
 """
 
 from __future__ import annotations
@@ -110,10 +108,8 @@ def scaled_value_and_grad(
 ) -> Callable[..., Any]:
   """``value_and_grad`` of ``fn`` with the loss multiplied by the loss scale.
 
-  It returns the *unscaled* loss with the gradients of ``loss * scale``
-  (:func:`jaxamp.scale_loss`), through ``nnx.value_and_grad`` for an
-  ``nnx.Optimizer``, else ``jax.value_and_grad``. Inside a jitted step, create it
-  from the optimizer or state the step receives as an argument.
+  Inside a jitted step, create it from the optimizer or state the step receives as an
+  argument (``nnx.value_and_grad`` for an ``nnx.Optimizer``, else ``jax.value_and_grad``).
 
   Args:
     fn: the loss function, returning a scalar float32 (or bfloat16, float64)
@@ -186,10 +182,9 @@ def loss_scale_metrics(opt_state_or_optimizer: Any) -> dict[str, jax.Array]:
       state holding exactly one :class:`jaxamp.DynamicLossScaleState`.
 
   Returns:
-    Arrays ``[]`` (outside ``jit``, copies that outlive a donation):
-    ``loss_scale`` (float32, for the *next* loss), ``skipped`` (bool, the last
-    update was skipped), ``skipped_steps`` (int32, the total; the Flax ``step``
-    counts skipped updates too) and ``consecutive_skipped_steps`` (int32).
+    Arrays ``[]`` (outside ``jit``, copies that outlive a donation): ``loss_scale``
+    (float32, for the *next* loss), ``skipped`` (bool, the last update), ``skipped_steps``
+    (int32; Flax's ``step`` counts skipped ones too), ``consecutive_skipped_steps`` (int32).
 
   Raises:
     ValueError: no jaxamp state, or several.
@@ -224,9 +219,8 @@ def update(
 ) -> None:
   """``optimizer.update(model, grads)`` in one :func:`jaxamp.apply_scaled_updates` call.
 
-  In place, as ``nnx.Optimizer.update``, with the same skip decisions (``step``
-  counts a skipped call too); it returns nothing: the updates are never
-  materialised. Call it inside ``nnx.jit``.
+  In place, as ``nnx.Optimizer.update`` (``step`` counts a skipped call too), inside
+  ``nnx.jit``; the updates are never materialised.
 
   Args:
     optimizer: an ``nnx.Optimizer`` whose ``tx`` holds a
