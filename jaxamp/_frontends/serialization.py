@@ -1,8 +1,7 @@
 """``flax.serialization`` (msgpack) of jaxamp's states, without importing flax.
 
-A state's configuration and stepped groups are static, part of its tree
-structure: they serialize as nothing and are restored from the target, as
-orbax restores them. Registered where flax is loaded, at import or at ``init``.
+The static configuration and stepped groups serialize as nothing and are restored from
+the target, as orbax restores them; registered when flax is loaded (import or ``init``).
 """
 
 from __future__ import annotations
