@@ -17,14 +17,7 @@ from jax.extend import core as jex_core
 from jaxamp._autocast.fused import fused_dtype, fused_spans, in_layer, run_fused
 from jaxamp._autocast.higher_order import HIGHER_ORDER, bind_params
 from jaxamp._autocast.modes import AS_WRITTEN_SCOPE, OFF, Mode, region, tracing_regions
-from jaxamp._autocast.policies import (
-  ACCUMULATE_F32,
-  EXACT_DTYPE,
-  F32,
-  FUSED_NO_LOWER,
-  HALF,
-  LOWER,
-)
+from jaxamp._autocast.policies import ACCUMULATE_F32, EXACT_DTYPE, F32, FUSED_NO_LOWER, HALF, LOWER
 from jaxamp._autocast.promotion import Origins, is_float, widest
 from jaxamp._xla.fma_guard import kept_bfloat16
 
@@ -80,8 +73,6 @@ class Interpreter:
     self.trace.cache[key] = (x, y)  # holds x: its id stays unique while the entry lives
     self.trace.casts += 1
     return y
-
-  # -- evaluation ---------------------------------------------------------------
 
   def eval_jaxpr(self, jaxpr: Any, consts: Any, args: Any) -> list[Any]:
     env: dict[Any, Any] = {}
@@ -195,8 +186,6 @@ class Interpreter:
       return eqn.primitive.bind(*args, **params)
     except (TypeError, ValueError):
       return self.original(eqn, args)  # not valid in the new dtypes: run it as it was
-
-  # -- nested jaxprs ------------------------------------------------------------
 
   def call(self, closed: Any, args: list[Any]) -> list[Any]:
     """A ClosedJaxpr inlined: evaluated in this trace, with this cache."""
