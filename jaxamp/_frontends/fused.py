@@ -16,11 +16,7 @@ from jaxamp._frontends.accumulation import (
   at_window_end,
   within_window,
 )
-from jaxamp._frontends.state_access import (
-  INJECT_STATES,
-  find_loss_scale_state,
-  is_loss_scale_state,
-)
+from jaxamp._frontends.state_access import INJECT_STATES, find_loss_scale_state, is_loss_scale_state
 from jaxamp._frontends.transform import CheckedState, DynamicLossScaleState, core_of
 from jaxamp._torch.core import check_skip_limit
 from jaxamp._validation import (
