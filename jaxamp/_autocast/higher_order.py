@@ -130,13 +130,9 @@ def _remat(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args)
 
 
+_INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 HIGHER_ORDER: dict[str, Callable[[Interpreter, Any, list[Any]], Any]] = {
-  "pjit": _inline,
-  "jit": _inline,
-  "closed_call": _inline,
-  "core_call": _inline,
-  "custom_vjp_call": _inline,
-  "custom_vjp_call_jaxpr": _inline,
+  **dict.fromkeys(_INLINED, _inline),
   "custom_jvp_call": _custom_jvp,
   "scan": _scan,
   "while": _while,
