@@ -12,9 +12,8 @@ import numpy as np
 HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 F32 = np.dtype(jnp.float32)
 
-# torch's "lower precision" list, as JAX primitives: every matmul-like torch op
-# (mm, matmul, linear, bmm, baddbmm, addmm, addbmm, einsum, tensordot, conv*)
-# traces to one of these two.
+# torch's "lower precision" list: every matmul-like torch op (mm, matmul, linear, bmm,
+# baddbmm, addmm, addbmm, einsum, tensordot, conv*) traces to one of these two.
 LOWER = frozenset({"dot_general", "conv_general_dilated"})
 
 # Primitives with no half kernels in JAX (LAPACK, FFT): float32 in both
@@ -69,9 +68,8 @@ EXACT_DTYPE = frozenset(
   {"bitcast_convert_type", "reduce_precision", "nextafter", "pure_callback", "io_callback"}
 )
 
-# The linear and conv layers of the JAX libraries, (file, qualified name): an add
-# of a value of the matmul's or conv's shape inside one is its bias, added inside
-# the op as torch's linear and conv do (docs/autocast.md, rule 1).
+# The JAX libraries' linear and conv layers, (file, qualified name): an add of the
+# output's shape inside one is its bias (docs/autocast.md, rule 1).
 BIAS_LAYERS = frozenset(
   {
     ("flax/linen/linear.py", "Dense.__call__"),
@@ -127,7 +125,6 @@ FUSED_F32 = {
   "cpu": frozenset({"cross_entropy", "huber_loss"}),
 }
 
-# Fused ops that torch runs in their input's dtype, whose JAX form has matmuls
-# (jax.image.resize's weights): with no half input they run in float32, as
-# written, not with the matmuls in the half dtype.
+# Fused ops whose JAX form has matmuls (jax.image.resize's weights): with no half
+# input they run in float32 as written, not with the matmuls in the half dtype.
 FUSED_NO_LOWER = frozenset({"upsample"})
