@@ -93,8 +93,7 @@ def autocast(
 def _region(
   fn: Callable[..., Any], scope: str, outermost: Callable[..., Any]
 ) -> Callable[..., Any]:
-  """``outermost`` where no autocast encloses the call; inside an autocast
-  function, ``fn`` in the name scope the enclosing interpreter runs by."""
+  """``outermost`` where no autocast encloses the call, else ``fn`` in the name ``scope``."""
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -132,10 +131,8 @@ def _module_call(nnx: Any, module: Any, mode: Mode) -> Callable[..., Any]:
 
 def autocast_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` run in float32 inside an :func:`autocast` function (torch's
-  ``autocast(enabled=False)`` region after ``.float()``): its floating array
-  inputs are cast to float32 and its equations run with autocast off, in the
-  dtypes their inputs arrive in (float32, but for the outputs of an autocast
-  region nested in it). Outside ``autocast`` it is ``fn`` with float32 inputs.
+  ``autocast(enabled=False)`` region after ``.float()``): its floating inputs cast to
+  float32, autocast off. Outside ``autocast`` it is ``fn`` with float32 inputs.
 
   Args:
     fn: the function to run in float32.
