@@ -223,11 +223,10 @@ def dynamic_loss_scale(
     :class:`DynamicLossScaleState`.
 
   Raises:
-    ValueError, TypeError: a concrete hyperparameter is invalid (checked here;
-      traced ones from ``optax.inject_hyperparams`` cannot be); at ``update``,
-      gradients that are not floating point or not shaped like the params, a
-      group stepped twice before the scale advances, ``update_scale=False``
-      without ``param_labels``.
+    ValueError, TypeError: a concrete hyperparameter is invalid (injected ones cannot be
+      checked); at ``update``, gradients not floating point or not shaped like the params,
+      a group stepped twice before the scale advances, ``update_scale=False`` without
+      ``param_labels``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
