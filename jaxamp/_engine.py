@@ -18,7 +18,11 @@ from jax import lax
 from jaxamp._config import LossScaleConfig
 from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
 from jaxamp._torch.groups import skipped_leaves
-from jaxamp._torch.schedules import advance_schedule_counts
+from jaxamp._torch.schedules import (
+  advance_schedule_counts,
+  has_injected_hyperparams,
+  with_hyperparams_of,
+)
 from jaxamp._torch.unscale import finite_leaves, inverse_parts, unscale_finite_by
 from jaxamp._validation import is_array_leaf, is_none
 from jaxamp._xla.fma_guard import rounded_unscaled
@@ -53,9 +57,14 @@ def unscaled(grads: Any, check: Check, loss_scale: jax.Array) -> Any:
   return rounded_unscaled(unscale_finite_by(grads, check.inverse), loss_scale)
 
 
-def skipped_state(inner_state: Any, schedule_counts: str) -> Any:
-  """The inner state after a skip: as it was, its schedules on a step if they count iterations."""
-  return advance_schedule_counts(inner_state) if schedule_counts == "iterations" else inner_state
+def skipped_state(inner_state: Any, schedule_counts: str, applied: Callable[[], Any]) -> Any:
+  """The inner state after a skip: as it was; if the schedules count iterations,
+  they are a step on and injected hyperparameters the skipped step's, taken from
+  ``applied()``, the state an update would give (XLA computes nothing else of it)."""
+  if schedule_counts != "iterations":
+    return inner_state
+  state = advance_schedule_counts(inner_state)
+  return with_hyperparams_of(state, applied()) if has_injected_hyperparams(state) else state
 
 
 def _like(value: jax.Array, template: Any) -> jax.Array:
@@ -156,7 +165,7 @@ def _skip_groups(labels, skipped, applied, inner_state, schedule_counts):
   group_skipped = dict(zip(labels, skipped))
   states = {}
   for label, new in new_state.inner_states.items():
-    old = skipped_state(inner_state.inner_states[label], schedule_counts)
+    old = skipped_state(inner_state.inner_states[label], schedule_counts, lambda new=new: new)
     skip = group_skipped.get(label, jnp.zeros([], bool))
     states[label] = jax.tree.map(lambda o, n, skip=skip: jnp.where(skip, o, n), old, new)
   return jax.tree.unflatten(update_def, update_leaves), new_state._replace(inner_states=states)
@@ -210,7 +219,9 @@ def iteration(
       skipped = skipped_leaves(check.nonfinite, labels)
       applied = apply(grads, inner_state, params)
       return _skip_groups(labels, skipped, applied, inner_state, config.schedule_counts)
-    state = skipped_state(inner_state, config.schedule_counts)
+    state = skipped_state(
+      inner_state, config.schedule_counts, lambda: apply(grads, inner_state, params)[1]
+    )
     if branch is not None:  # the caller's own skipped branch: it types its outputs
       return jax.tree.map(jnp.zeros_like, grads), state
     updates_type, state_type = output_types(grads, inner_state, params)

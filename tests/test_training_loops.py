@@ -76,10 +76,39 @@ def test_dynamic_loss_scale_schedule_counts_iterations_matches_torch_lambda_lr(j
     params, state = step(tx, _grads(c, jaxamp.get_loss_scale(state)), state, params)
     scale_state = jaxamp.ops.find_loss_scale_state(state)
     assert float(scale_state.loss_scale) == t_scales[i], i
-    if not bool(scale_state.found_inf):  # the lr actually applied, read from the state
-      applied = float(scale_state.inner_state.hyperparams["learning_rate"])
-      assert applied == pytest.approx(t_lrs[i], rel=1e-6), i
+    # The logged lr, skipped steps included: the one torch's param_groups show.
+    logged = float(scale_state.inner_state.hyperparams["learning_rate"])
+    assert logged == pytest.approx(t_lrs[i], rel=1e-6), i
     np.testing.assert_allclose(np.asarray(params["w"]), t_params[i], rtol=1e-6, err_msg=str(i))
+
+
+@pytest.mark.torch
+def test_dynamic_loss_scale_logged_lr_after_a_skip_matches_torch_optax_form():
+  t_lrs, _, _ = _torch_run()
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule)
+  tx = jaxamp.dynamic_loss_scale(
+    inner, init_scale=4.0, growth_interval=3, schedule_counts="iterations"
+  )
+  params = {"w": jnp.asarray(START)}
+  state, step = tx.init(params), jax.jit(tx.update)
+  for i, c in enumerate(COEFFICIENTS):
+    _, state = step(_grads(c, state.loss_scale), state, params)
+    logged = float(state.inner_state.hyperparams["learning_rate"])
+    assert logged == pytest.approx(t_lrs[i], rel=1e-6), i
+
+
+@pytest.mark.torch
+def test_grad_scaler_logged_lr_after_a_skip_matches_torch():
+  t_lrs, _, _ = _torch_run()
+  scaler = jaxamp.GradScaler(init_scale=4.0, growth_interval=3)
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule)
+  opt = jaxamp.Optimizer(inner, {"w": jnp.asarray(START)})
+  for i, c in enumerate(COEFFICIENTS):
+    opt.grads = jax.grad(lambda p, c=c: scaler.scale(jnp.sum(p["w"] * c)))(opt.params)
+    scaler.step(opt)
+    scaler.update()
+    logged = float(opt.opt_state.hyperparams["learning_rate"])
+    assert logged == pytest.approx(t_lrs[i], rel=1e-6), i
 
 
 @pytest.mark.torch

@@ -44,7 +44,8 @@ def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
 
   def skip(params, opt_state):
     _, state_type = output_types(params, opt_state)
-    return params, engine.typed_like(engine.skipped_state(opt_state, schedule_counts), state_type)
+    state = engine.skipped_state(opt_state, schedule_counts, lambda: update(params, opt_state)[1])
+    return params, engine.typed_like(state, state_type)
 
   return engine.apply_or_skip(found_inf, apply, skip, params, opt_state)
 

@@ -44,6 +44,28 @@ def _advanced(node: Any) -> Any:
   )
 
 
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def _is_injected(x: Any) -> bool:
+  return isinstance(x, _INJECTED)
+
+
+def with_hyperparams_of(skipped: Any, applied: Any) -> Any:
+  """``skipped`` with each ``inject_hyperparams`` state's hyperparameters those
+  of ``applied`` (the same tree after the update): the values of the skipped
+  iteration, as torch's ``param_groups`` show its learning rate."""
+
+  def take(old: Any, new: Any) -> Any:
+    return old._replace(hyperparams=new.hyperparams) if _is_injected(old) else old
+
+  return jax.tree.map(take, skipped, applied, is_leaf=_is_injected)
+
+
+def has_injected_hyperparams(inner_state: Any) -> bool:
+  return any(map(_is_injected, jax.tree.leaves(inner_state, is_leaf=_is_injected)))
+
+
 def advance_schedule_counts(inner_state: Any) -> Any:
   """``inner_state`` with every schedule count one step on, and nothing else: a
   skipped step's with ``schedule_counts="iterations"``, as torch's ``LRScheduler``."""
