@@ -167,20 +167,37 @@ def lm_step(contender: str, tx: optax.GradientTransformation, model: Any) -> Cal
 # ------------------------------------------------------------- HLO facts
 
 
+def kernel_counts(text: str) -> dict[str, int]:
+  """The ops of an optimized HLO module's kernel-level computations (the entry,
+  loop bodies, branches), by opcode: a fusion's own computation is left out,
+  so a ``copy`` counted is a kernel that copies a buffer, not a transpose
+  inside a fusion."""
+  fused = set(re.findall(r"calls=%([\w.\-]+)", text))
+  counts: dict[str, int] = {}
+  inside = False
+  for line in text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$", line)
+    if header:
+      inside = header.group(1) not in fused
+      continue
+    op = re.match(r"^\s+(?:ROOT )?%\S+ = .+? ([a-z][a-z0-9-]*)\(", line) if inside else None
+    if op:
+      counts[op.group(1)] = counts.get(op.group(1), 0) + 1
+  return counts
+
+
 def hlo_facts(compiled: Any) -> dict[str, Any]:
-  """Counts from a compiled step's optimized HLO (all its computations)."""
+  """Kernel counts, temporaries and aliased buffers of a compiled step."""
   text = compiled.as_text() or ""
-  header = text.split("\n", 1)[0]
-  count = {op: len(re.findall(rf"\s{op}\(", text)) for op in ("fusion", "copy", "while")}
-  count["conditional"] = len(re.findall(r"\sconditional\(", text))
+  count = kernel_counts(text)
   memory = compiled.memory_analysis()
   return {
-    "fusions": count["fusion"],
-    "copies": count["copy"],
-    "whiles": count["while"],
-    "conditionals": count["conditional"],
+    "fusions": count.get("fusion", 0),
+    "copies": count.get("copy", 0),
+    "whiles": count.get("while", 0),
+    "conditionals": count.get("conditional", 0),
     "temp_mib": None if memory is None else memory.temp_size_in_bytes / 2**20,
-    "aliased": len(re.findall(r"\(\d+, \{[^}]*\}, (?:may|must)-alias\)", header)),
+    "aliased": len(re.findall(r"\(\d+, \{[^}]*\}, (?:may|must)-alias\)", text.split("\n", 1)[0])),
   }
 
 
