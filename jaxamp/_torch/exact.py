@@ -1,12 +1,7 @@
 """Exact float32 arithmetic that torch does in float64: ``f32(f64(x) * factor)``.
 
-torch's ``_amp_update_scale_`` rounds the float64 product of the scale and a factor
-to float32; in JAX's 32-bit mode, with subnormals flushed, ``scale * factor``
-differs for about a quarter of non-dyadic factors (docs/torch_semantics.md §3.3).
-Here both significands are multiplied exactly in 12-bit int32 limbs and the
-product rounded to nearest-even twice, as torch: to float64, then float32. A
-power-of-two factor (torch's 2.0 and 0.5) takes a shorter exact path, which
-compiles to one fused kernel.
+Significands multiplied in 12-bit int32 limbs, rounded twice as torch; a power-of-two
+factor takes a shorter path (docs/torch_semantics.md §3.3 says why).
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ _PRODUCT_BITS = _PRODUCT_LIMBS * _LIMB_BITS
 
 
 def float_bits(x) -> jax.Array:
-  """The int32 bits of a float32 ``x``, for integer tests of a number's bits.
-
-  XOR-ed with ``isnan(x)``: LLVM turns integer tests of a plain bitcast back into
-  float compares, which denormals-are-zero answers wrongly for a subnormal ``x``.
-  A NaN's lowest bit comes back flipped: test inf and NaN with ``jnp.isinf``/``isnan``.
-  """
+  """The int32 bits of float32 ``x``, XOR-ed with ``isnan(x)`` so that LLVM cannot turn
+  integer tests into float compares (wrong for subnormals); test NaN with ``jnp.isnan``."""
   x = jnp.asarray(x, jnp.float32)
   return lax.bitcast_convert_type(x, jnp.int32) ^ jnp.isnan(x).astype(jnp.int32)
 
@@ -133,9 +124,8 @@ def _lsb_shift(bits, exponent, precision, min_exponent):
 
 
 def _round_nearest_even(bits, exponent, precision, min_exponent):
-  """Rounds ``sum(bits[i] * 2**(i + exponent))`` to ``precision`` significant
-  bits with no bit below ``2**min_exponent``; returns the result's bits on the
-  same grid. (1 - 2**-24) * 2**128 and above is left to the caller to overflow."""
+  """Rounds ``sum(bits[i] * 2**(i + exponent))`` to ``precision`` bits, none below
+  ``2**min_exponent``, on the same grid; overflow is left to the caller."""
   index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
   shift = _lsb_shift(bits, exponent, precision, min_exponent)
   round_bit = jnp.sum(jnp.where(index == shift - 1, bits, 0), dtype=jnp.int32)
@@ -171,8 +161,7 @@ def _power_of_two_exponent(factor) -> int | None:
 
 
 def _times_power_of_two(x, k):
-  """``f32(f64(x) * 2.0**k)`` for an int32 ``k``, from the bits of ``x``: exact but
-  for a subnormal result, rounded to nearest-even. Zero, inf and NaN pass through."""
+  """``f32(f64(x) * 2.0**k)`` for an int32 ``k``, from the bits of ``x``; zero/inf/NaN pass."""
   a = _unpack_f32(x)
   significand = a.limbs[0] | (a.limbs[1] << _LIMB_BITS)
   exponent = a.exponent + k  # x * 2**k == significand * 2**exponent
@@ -234,8 +223,7 @@ def multiply_exact_either(x, use_first, first, second):
 
 
 def multiply_by_f64_words(x, hi, lo):
-  """``multiply_exact`` with a float64 factor as int32 high/low words: the
-  Python-number path, vectorisable (tests check many pairs in one call)."""
+  """``multiply_exact`` with a float64 factor as int32 high/low words (vectorisable)."""
   return _multiply(x, _unpack_f64_words(hi, lo))
 
 
