@@ -14,14 +14,9 @@ from jaxamp._validation import check_float_gradients
 
 
 def _subnormal_reciprocal_bits(bits: jax.Array) -> jax.Array:
-  """For a scale above ``2**126`` (as int32 bits), the bits ``n`` of torch's
-  subnormal reciprocal ``n * 2**-149 = round(1 / scale)``, in int32 arithmetic.
-
-  With ``scale = m * 2**(biased - 150)``, ``n = round_half_even(2**t / m)`` for
-  ``t = 299 - biased``. The float32 quotient is within 1/4 of it, so ``n`` is
-  its floor, or one more when ``(2 * floor + 1) * m < 2**(t + 1)``: a 48-bit
-  product, compared in 12-bit limbs (it is never equal).
-  """
+  """Bits ``n`` of torch's subnormal ``round(1 / scale) == n * 2**-149`` for a scale above
+  ``2**126``: ``round(2**t / m)`` is the float32 quotient's floor, or one more when
+  ``(2 * floor + 1) * m < 2**(t + 1)`` (a 48-bit product in 12-bit limbs, never equal)."""
   m = (bits & 0x7FFFFF) | 0x800000
   t = 299 - ((bits >> 23) & 0xFF)
   power = lax.bitcast_convert_type((t + 127) << 23, jnp.float32)  # 2.0**t
@@ -91,9 +86,8 @@ def _unscale_leaf(grad: jax.Array, parts: tuple) -> jax.Array:
 def unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
   """Unscales ``grads`` and reports whether they held inf or NaN.
 
-  torch's ``_amp_foreach_non_finite_check_and_unscale_`` (docs/torch_semantics.md
-  §3.2): the still-scaled gradients are checked (an overflow of the unscaling
-  itself is not reported), then all multiplied by ``inv_scale``.
+  torch's ``_amp_foreach_non_finite_check_and_unscale_`` (docs/torch_semantics.md §3.2):
+  checks the still-scaled gradients, then multiplies them all by ``inv_scale``.
 
   Args:
     grads: a pytree of floating-point arrays (``None`` leaves pass through),
@@ -131,12 +125,8 @@ def unscale_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
 
 
 def unscale_finite_by(grads: Any, parts: tuple[jax.Array, ...]) -> Any:
-  """:func:`unscale_by` for gradients known to be finite (an applied step's).
-
-  A float16 gradient is then ``f16(f32(g) * inv)``, one multiply, no select:
-  torch's value for every finite float16 ``g`` at every scale, as any product
-  XLA flushes to zero rounds to that zero in float16 anyway.
-  """
+  """:func:`unscale_by` for finite gradients: float16 is one multiply, no select (torch's
+  value for any finite ``g``, as a product XLA flushes to zero is zero in float16 too)."""
   inverse = parts[0]
 
   def leaf(g: jax.Array) -> jax.Array:
