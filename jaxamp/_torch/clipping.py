@@ -26,9 +26,8 @@ def _norm(x: jax.Array, norm_type: float) -> jax.Array:
 def clip_grad_norm(grads: Any, max_norm: float, norm_type: float = 2.0) -> tuple[Any, jax.Array]:
   """``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, functional.
 
-  torch's formula: every gradient times ``min(max_norm / (total_norm + 1e-6), 1)``
-  (``optax.clip_by_global_norm`` scales by ``max_norm / total_norm``, only above
-  it). The norms agree with torch's to float32 rounding, not bit for bit.
+  Every gradient times ``min(max_norm / (total_norm + 1e-6), 1)``, unlike optax's
+  ``clip_by_global_norm``; norms agree with torch's to float32 rounding.
 
   Args:
     grads: a pytree of floating-point arrays (``None`` leaves pass through).
@@ -75,9 +74,8 @@ class ClipGradNormState(NamedTuple):
 def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:
   """:func:`clip_grad_norm` as an optax transformation (torch's clipping formula).
 
-  Put it inside :func:`~jaxamp.dynamic_loss_scale`, where it sees unscaled
-  gradients, as torch clips after ``scaler.unscale_``. Its state keeps the
-  total norm, as ``clip_grad_norm_`` returns it.
+  Put it inside :func:`~jaxamp.dynamic_loss_scale` (unscaled gradients, as torch clips
+  after ``scaler.unscale_``); its state keeps the total norm.
 
   Args:
     max_norm: the largest total norm kept.
@@ -109,8 +107,7 @@ def clip_by_torch_norm(max_norm: float, norm_type: float = 2.0) -> optax.Gradien
 
 
 def _unitwise_norm(x: jax.Array, norm_type: float) -> jax.Array:
-  """timm's ``unitwise_norm`` in torch's layout: one norm for a vector or a
-  scalar, one per output unit (the first axis) for a matrix or a kernel."""
+  """timm's ``unitwise_norm``: one norm per output unit (first axis), or one for a vector."""
   axes = tuple(range(1, x.ndim)) if x.ndim > 1 else tuple(range(x.ndim))
   x = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
   if norm_type == float("inf"):
@@ -123,12 +120,9 @@ def adaptive_clip_grad(
 ) -> Any:
   """timm's ``adaptive_clip_grad`` (AGC, Brock et al. 2021) on weights in torch's layout.
 
-  Each output unit's gradient (a row of a ``Linear`` weight, a filter of a
-  ``Conv`` kernel; a vector as a whole) is scaled to at most ``clip_factor``
-  times its weight's norm (at least ``eps``), as timm's formula:
-  ``where(g_norm < max_norm, g, g * max_norm / max(g_norm, 1e-6))``.
-  ``optax.adaptive_grad_clip`` takes Flax's layouts, whose output unit is the
-  last axis. Use it after ``scaler.unscale_``, on ``opt.grads`` and ``opt.params``.
+  Each output unit's gradient (a ``Linear`` row, a ``Conv`` filter; a vector whole) is
+  scaled to at most ``clip_factor`` times its weight's norm (at least ``eps``); optax's
+  ``adaptive_grad_clip`` takes Flax's layouts. Use it after ``scaler.unscale_``.
 
   Args:
     grads: the gradients, a tree like ``params`` (``None`` leaves pass through).
