@@ -1,8 +1,6 @@
 """Several optimizers, one scale: torch's per-optimizer skip in the optax form.
 
-With ``{label: transformation}`` and ``param_labels``, a group is skipped only when
-its own gradients are not finite; ``update_scale=False`` holds the scale's advance
-for groups that step one after the other (a GAN; docs/optax.md).
+``param_labels`` and ``update_scale=False`` are described in docs/optax.md.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from jaxamp._validation import is_none
 
 
 class ParamLabels:
-  """``param_labels`` (a tree of labels, or a function of the gradients giving
-  one) as static configuration: hashable, compared by value."""
+  """``param_labels`` (a label tree, or a function of the gradients) as hashable config."""
 
   def __init__(self, labels: Any):
     self.labels = labels
@@ -38,8 +35,7 @@ class ParamLabels:
     return f"ParamLabels({self.labels!r})"
 
   def of(self, grads: Any) -> list[Any]:
-    """The label of each array leaf of ``grads`` (the labels may be a prefix of
-    the gradients' tree, as ``optax.multi_transform`` takes them)."""
+    """The label of each array leaf of ``grads`` (labels may be a prefix of its tree)."""
     labels = self.labels(grads) if callable(self.labels) else self.labels
     grad_leaves, grad_def = jax.tree.flatten(grads, is_leaf=is_none)
 
@@ -91,8 +87,7 @@ def _idle(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class SteppedGroups:
-  """The groups stepped with ``update_scale=False`` since the scale last advanced:
-  static, so misuse is found while tracing."""
+  """Groups stepped with ``update_scale=False`` since the scale advanced (static)."""
 
   labels: tuple = ()
 
@@ -103,8 +98,7 @@ class SteppedGroups:
 def check_steps(
   pending: SteppedGroups, labels: list[Any] | None, update_scale: Any, has_groups: bool
 ) -> tuple[Any, ...]:
-  """The groups this update steps (``labels``: its gradients'), checked against
-  ``pending``: what torch refuses (a step twice, an update with none) raises."""
+  """The groups this update steps, checked against ``pending`` as torch checks them."""
   if not isinstance(update_scale, (bool, np.bool_)):
     raise TypeError(
       f"jaxamp: update_scale must be True or False (a Python bool: it decides the "
