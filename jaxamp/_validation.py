@@ -14,8 +14,7 @@ def is_none(x: Any) -> bool:
 
 
 def is_array_leaf(x: Any) -> bool:
-  """Whether a parameter leaf can have a gradient: an array or a Python number, not
-  ``None`` or another object (an Equinox module's activation function)."""
+  """Whether a parameter leaf can have a gradient: an array or a Python number."""
   return x is not None and (hasattr(x, "dtype") or isinstance(x, numbers.Number))
 
 
@@ -64,8 +63,7 @@ def check_float_gradients(grads: Any) -> None:
 
 
 def check_same_structure(grads: Any, params: Any) -> None:
-  """Raises ValueError if ``grads`` and ``params`` are different trees (``None`` a
-  leaf on both sides) or a gradient leaf has another shape than its parameter."""
+  """Raises ValueError if the trees (``None`` a leaf) or a leaf's shapes differ."""
   if params is None:
     return
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
@@ -87,17 +85,8 @@ def check_same_structure(grads: Any, params: Any) -> None:
 
 
 def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
-  """For each array leaf of ``grads``, the index of its flag in a state's
-  ``nonfinite_leaves`` (``n_flags``, one per leaf of the params at ``init``).
-
-  The flags are the first of these with ``n_flags`` leaves that holds every
-  gradient: the leaves of ``params`` (not ``None``), its array leaves, every
-  position of ``grads`` (``None`` included), its array leaves; any two that fit
-  are the same positions.
-
-  Raises:
-    ValueError: none fits; the message gives both counts and the fix.
-  """
+  """Each array leaf's index in ``nonfinite_leaves``: the first of ``params``' leaves, its
+  array leaves, ``grads``' positions or its arrays that has ``n_flags`` (else ValueError)."""
   grad_leaves, _ = jax.tree.flatten(grads, is_leaf=is_none)
   has_grad = [g is not None for g in grad_leaves]
   candidates = []
@@ -125,16 +114,14 @@ def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
 
 
 def set_flags(flags: jax.Array, slots: tuple[int, ...], nonfinite: jax.Array) -> jax.Array:
-  """``nonfinite`` (one per gradient leaf) at ``slots`` of a ``flags``-shaped
-  vector, ``False`` elsewhere (``None`` gradients and non-array leaves)."""
+  """``nonfinite`` at ``slots`` of a ``flags``-shaped vector, ``False`` elsewhere."""
   if len(slots) == flags.shape[0]:
     return nonfinite
   return jnp.zeros_like(flags).at[jnp.asarray(slots, int)].set(nonfinite)
 
 
 def none_gradient_error(grads: Any, params: Any) -> ValueError | None:
-  """The error naming the first ``None`` gradient of an array parameter, which an
-  optimizer with state for it (optax's Adam) cannot skip; None if there is none."""
+  """The error naming the first ``None`` gradient of an array parameter, or None."""
   paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   grad_leaves = jax.tree.leaves(grads, is_leaf=is_none)
   for (path, param), grad in zip(paths, grad_leaves):
@@ -150,8 +137,7 @@ def none_gradient_error(grads: Any, params: Any) -> ValueError | None:
 
 
 def flagged_paths(params: Any, flags: Any) -> list[str] | None:
-  """The paths of the leaves of ``params`` (in any Equinox form) whose ``flags`` are
-  set; None if no form of ``params`` has as many leaves."""
+  """Paths of ``params``' leaves whose ``flags`` are set; None if no form fits."""
   leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   for keep in (lambda leaf: leaf is not None, is_array_leaf, lambda leaf: True):
     paths = [jax.tree_util.keystr(path) for path, leaf in leaves if keep(leaf)]
