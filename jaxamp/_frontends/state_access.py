@@ -29,8 +29,7 @@ def opt_state_of(holder: Any) -> Any:
 
 
 def find_loss_scale_state(opt_state: Any) -> DynamicLossScaleState:
-  """Returns the one :class:`DynamicLossScaleState` inside ``opt_state``, wherever
-  it sits (``optax.chain``, ``inject_hyperparams``, an ``nnx.Optimizer``, ...).
+  """Returns the one :class:`DynamicLossScaleState` inside ``opt_state``, wherever it sits.
 
   Args:
     opt_state: an optimizer state, an ``nnx.Optimizer`` or a ``TrainState``.
@@ -75,9 +74,8 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
 
 
 def check_placement(opt_state: Any) -> None:
-  """Raises ValueError unless the one jaxamp state in ``opt_state`` sees the
-  gradients of the scaled loss as given: not behind a transformation chained in
-  front, not inside ``optax.MultiSteps``, not inside another. Reads the structure only."""
+  """Raises ValueError unless the one jaxamp state sees the scaled gradients as given: not
+  behind a chained transformation, inside ``optax.MultiSteps`` or inside another."""
   root = opt_state_of(opt_state)
   flat, _ = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_loss_scale_state)
   paths = [path for path, node in flat if is_loss_scale_state(node)]
@@ -163,8 +161,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def nonfinite_leaf_paths(opt_state: Any, params: Any) -> list[str]:
-  """The paths of the gradient leaves that held inf/NaN at the last skipped step; a
-  host read, outside ``jit``.
+  """The paths of the gradient leaves that held inf/NaN at the last skipped step (host read).
 
   Args:
     opt_state: an optimizer state (or holder) with one jaxamp state.
