@@ -18,10 +18,9 @@ _KEYS = itertools.count()
 class Optimizer:
   """An optax transformation with its params, state and grads, as a torch optimizer.
 
-  torch's optimizer owns its parameters and their ``.grad``; this handle bundles
-  what ``scaler.unscale_`` and ``scaler.step`` need (docs/grad_scaler.md maps the
-  calls). A pytree (``tx`` static): pass it to a jitted function and return it.
-  ``grads`` starts as zeros like ``params``, so a jitted step compiles once.
+  What ``scaler.unscale_`` and ``scaler.step`` need (docs/grad_scaler.md). A pytree (``tx``
+  static): pass it to a jitted function and return it. A copy or pickle is a new optimizer
+  to a ``GradScaler`` (torch keys by ``id``); a pytree rebuilt inside ``jit`` is the same.
 
   Attributes:
     tx: the optax transformation (static: it is part of the pytree structure).
@@ -30,9 +29,6 @@ class Optimizer:
     grads: the current gradients, a tree like ``params``, or ``None``.
     nonfinite_leaves: per leaf of ``params``, whether its gradient held inf/NaN at
       the last skipped step, bool ``[n_leaves]`` (``scaler.nonfinite_leaf_paths``).
-
-  A copy or pickle is a new optimizer to a ``GradScaler`` (torch keys by ``id``);
-  a pytree rebuilt by JAX inside ``jit`` is the same one.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -68,8 +64,7 @@ class Optimizer:
     self.grads = None if set_to_none else zeros_like_arrays(self.params)
 
   def accumulate(self, grads: Any) -> None:
-    """Adds ``grads`` to ``self.grads`` (``None``, for the whole tree or a leaf,
-    counts as zeros), as each ``loss.backward()`` adds into ``param.grad`` in torch.
+    """Adds ``grads`` to ``self.grads`` (``None`` counts as zeros), as torch's ``backward()``.
 
     Args:
       grads: the gradients to add, a tree like ``params``.
@@ -98,8 +93,7 @@ class Optimizer:
     return updated(self.tx, grads, self.opt_state, self.params, **extra_args)
 
   def step(self, **extra_args: Any) -> None:
-    """Applies ``grads`` unconditionally, as torch's ``optimizer.step()``; a ``None``
-    gradient (or leaf) updates nothing, as torch skips a parameter without ``.grad``.
+    """Applies ``grads`` as torch's ``optimizer.step()``; a ``None`` gradient updates nothing.
 
     Args:
       **extra_args: passed to ``tx.update``.
@@ -143,8 +137,7 @@ def _add(accumulated: Any, grad: Any) -> Any:
 def updated(
   tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, **extra_args: Any
 ):
-  """``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``
-  (a ``None`` update leaves its parameter as it is)."""
+  """``(params, opt_state)`` after ``tx.update`` and ``apply_updates`` (``None``: no change)."""
   try:
     updates, new_state = optax.with_extra_args_support(tx).update(
       grads, opt_state, params, **extra_args
@@ -164,8 +157,7 @@ def updated(
 
 
 def per_param_leaf(grads: Any, params: Any, flags: jax.Array) -> jax.Array | None:
-  """``flags`` (one per array leaf of ``grads``) as one per array leaf of
-  ``params``: a ``None`` gradient counts as finite. None if the trees differ."""
+  """``flags`` per array leaf of ``params`` (``None`` gradients finite); None if trees differ."""
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
   param_leaves, params_def = jax.tree.flatten(params, is_leaf=is_none)
   if grads_def != params_def:  # type: ignore[operator]
