@@ -1,8 +1,4 @@
-"""torch's ``GradScaler.state_dict`` format, read and written for jaxamp states.
-
-Its five keys, checked whole before anything loads, and the optax form's
-:func:`state_dict` and :func:`load_state_dict` (docs/torch_semantics.md §1.9).
-"""
+"""torch's ``GradScaler.state_dict`` format for jaxamp states (docs/torch_semantics.md §1.9)."""
 
 from __future__ import annotations
 
@@ -105,8 +101,7 @@ def _is_recorder(x: Any) -> bool:
 
 
 def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
-  """The hyperparameters held by the ``inject_hyperparams`` states around the
-  jaxamp state, the innermost last."""
+  """The hyperparameters of ``inject_hyperparams`` states around the jaxamp state."""
   found: dict[str, Any] = {}
   for node in jax.tree.leaves(opt_state, is_leaf=_is_recorder):
     if isinstance(node, INJECT_STATES) and any(
@@ -119,8 +114,7 @@ def _injected_hyperparameters(opt_state: Any) -> dict[str, Any]:
 
 
 def _checked_in_use(opt_state, growth_factor, backoff_factor, growth_interval) -> dict[str, Any]:
-  """torch's three hyperparameters as the jaxamp state uses them, checked against
-  those given (``None``: not given)."""
+  """torch's three hyperparameters in use, checked against those given (not ``None``)."""
   opt_state = opt_state_of(opt_state)
   config = find_loss_scale_state(opt_state).config
   injected = _injected_hyperparameters(opt_state)
@@ -158,9 +152,8 @@ def state_dict(
 ) -> dict[str, Any]:
   """The loss-scale state of ``opt_state`` as torch's ``GradScaler.state_dict()``.
 
-  With the hyperparameters the state records (its transformation's, or
-  ``optax.inject_hyperparams``'s); it loads into torch and continues the run bit
-  for bit. A host read: call it outside ``jit``.
+  With the hyperparameters the state records; it loads into torch and continues the run
+  bit for bit. A host read: call it outside ``jit``.
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``
@@ -208,9 +201,8 @@ def load_state_dict(
 ) -> Any:
   """Returns ``opt_state`` with the scale and growth tracker of ``state_dict``.
 
-  Its hyperparameters must be the ones in use; the scale is rounded to float32
-  as torch's ``fill_`` does, and the rest of ``opt_state`` (``nnx`` variables
-  included) is kept as it is.
+  Its hyperparameters must be the ones in use; the scale is rounded to float32 as torch's
+  ``fill_`` does, and the rest of ``opt_state`` is kept.
 
   Args:
     opt_state: an optimizer state holding one ``DynamicLossScaleState``.
