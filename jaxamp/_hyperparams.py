@@ -1,6 +1,4 @@
-"""One hyperparameter's value, checked: Python numbers and concrete arrays (traced
-ones, from ``optax.inject_hyperparams`` inside ``jit``, cannot be checked and pass).
-"""
+"""One hyperparameter's value, checked when concrete (traced ones cannot be, and pass)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def is_array(value: Any) -> bool:
 
 
 def _concrete(name: str, value: Any, *, integer: bool) -> Any:
-  """A Python number for a number or concrete array scalar (of a dtype that can
-  hold the value); None when traced."""
+  """A Python number for a number or concrete array scalar; None when traced."""
   dtype = getattr(value, "dtype", None)
   dtype = None if dtype is None else jnp.dtype(dtype)
   if integer and dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
