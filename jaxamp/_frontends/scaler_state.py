@@ -1,6 +1,4 @@
-"""What a ``GradScaler`` holds: its constructor, getters, setters, state dicts and
-copies, as torch's. The iteration (``scale`` to ``update``) is :mod:`grad_scaler`'s.
-"""
+"""What a ``GradScaler`` holds: constructor, getters, setters, state dicts and copies."""
 
 from __future__ import annotations
 
@@ -290,8 +288,7 @@ class ScalerState:
     return {"scale": self.get_scale(), **in_use, "_growth_tracker": self._get_growth_tracker()}
 
   def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-    """Loads a dict saved by torch's or jaxamp's ``state_dict()``, checked whole
-    first; the per-optimizer stages are kept, as torch. Disabled: does nothing.
+    """Loads torch's or jaxamp's ``state_dict()``, checked whole; stages kept (disabled: no-op).
 
     Args:
       state_dict: what torch's or jaxamp's ``state_dict()`` returned.
