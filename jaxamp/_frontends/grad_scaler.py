@@ -33,8 +33,7 @@ from jaxamp._xla.compile_cache import call_compiled, traced
 
 
 def _step_unless(static, found_inf, grads, params, opt_state, extra_args):
-  """``(params, opt_state)`` after one ``tx`` update, or as given when ``found_inf``
-  (with the schedules advanced, for ``schedule_counts="iterations"``)."""
+  """``(params, opt_state)`` after one ``tx`` update, or as given (schedules aside) if found_inf."""
   tx, schedule_counts = static
 
   def update(params, opt_state):
@@ -65,10 +64,9 @@ def _advance(static, core: LossScaleCore, found_inf: jax.Array) -> LossScaleCore
 class GradScaler(ScalerState):
   """torch's ``GradScaler`` for JAX: the same methods, messages and arithmetic.
 
-  The methods change the scaler and the optimizer in place, as in torch; to run
-  an iteration under ``jax.jit``, pass both in and return them (a pytree whose
-  children are the core's arrays and the found_inf flags). docs/grad_scaler.md
-  maps torch's loop line by line; docs/torch_semantics.md lists the differences.
+  The methods change the scaler and the optimizer in place, as in torch; under ``jax.jit``,
+  pass both in and return them (pytrees). docs/grad_scaler.md maps torch's loop line by
+  line; docs/torch_semantics.md lists the differences.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -170,8 +168,7 @@ class GradScaler(ScalerState):
     return result
 
   def _unscaled(self, optimizer: Optimizer) -> tuple[Any, jax.Array | None, jax.Array | None]:
-    """``optimizer``'s grads unscaled, its found_inf (None: no grads), and its
-    ``nonfinite_leaves`` as they become (None: unchanged). Changes nothing."""
+    """``optimizer``'s unscaled grads, found_inf and new ``nonfinite_leaves`` (None: none)."""
     grads = optimizer.grads
     if grads is None or not jax.tree.leaves(grads):
       return grads, None, None
@@ -220,10 +217,9 @@ class GradScaler(ScalerState):
   def step(self, optimizer: Optimizer, **extra_args: Any) -> None:
     """Applies ``optimizer``'s update unless its own gradients held inf/NaN.
 
-    Unscales first if ``unscale_`` was not called. A skipped step leaves
-    ``params`` and ``opt_state`` as they were, but for the schedules' counts
-    (``schedule_counts``); ``opt.grads`` holds the unscaled gradients afterwards.
-    Disabled: ``optimizer.step(**extra_args)``.
+    Unscales first if ``unscale_`` was not called. A skipped step leaves ``params`` and
+    ``opt_state`` but for the schedules' counts (``schedule_counts``); ``opt.grads`` holds
+    the unscaled gradients afterwards. Disabled: ``optimizer.step(**extra_args)``.
 
     Args:
       optimizer: the :class:`Optimizer` to step; ``optimizer.grads`` holds the
@@ -301,8 +297,7 @@ class GradScaler(ScalerState):
     stages.release(self)
 
   def nonfinite_leaf_paths(self, optimizer: Optimizer) -> list[str]:
-    """The paths in ``optimizer.params`` of the gradient leaves that held inf/NaN
-    at its last skipped step (``[]`` if none); a host read, outside ``jit``.
+    """Paths of the gradient leaves that held inf/NaN at the last skipped step (host read).
 
     Args:
       optimizer: the :class:`Optimizer` whose last skipped step is asked about.
