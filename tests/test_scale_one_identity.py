@@ -10,9 +10,9 @@ in each form, each step from plain optax's params and state:
 
 - ``update``: ``jax.jit(dynamic_loss_scale(tx, init_scale=1.0).update)`` returns
   ``jax.jit(tx.update)``'s updates and inner state, bit for bit;
-- ``fused``: ``jax.jit(jaxamp.apply_scaled_updates, static_argnums=0)`` against
-  ``tx.update`` and ``optax.apply_updates`` jitted as one function: params and
-  inner state agree to the last bits, measured, not asserted (its docstring);
+- ``fused``: ``jaxamp.apply_scaled_updates``, jitted, against ``tx.update`` and
+  ``optax.apply_updates`` jitted as one function: params and inner state agree
+  to the last bits, measured, not asserted (its docstring);
 - ``grad_scaler``: a jitted ``jaxamp.GradScaler(init_scale=1.0)`` iteration on a
   ``jaxamp.Optimizer`` returns ``fused``'s reference, bit for bit.
 
@@ -289,7 +289,6 @@ def _value_and_grad(params, target):
 
 
 _apply_updates = jax.jit(optax.apply_updates)
-_apply_scaled_updates = jax.jit(jaxamp.apply_scaled_updates, static_argnums=0)
 
 
 def _extra(name: str, value: jax.Array) -> dict[str, jax.Array]:
@@ -354,11 +353,15 @@ class _Programs(NamedTuple):
   plain_update: Callable  # jax.jit(tx.update)
   scaled_update: Callable  # jax.jit(scaled.update)
   plain_step: Callable  # tx.update and optax.apply_updates in one jax.jit
+  fused: Callable  # jaxamp.apply_scaled_updates(scaled, ...), jitted
+  grad_scaler_step: Callable  # a GradScaler iteration, jitted
 
 
-@functools.cache
 def _programs(name: str) -> _Programs:
-  """Each optimizer's jitted functions, shared by the trees."""
+  """An optimizer's jitted functions, new closures for each test: JAX keeps a
+  function's compiled programs while the function lives (a module's, or a
+  module's with the optimizer as a static argument: for good), and those of
+  every optimizer and tree would take gigabytes."""
   make, make_scaled = _OPTIMIZERS[name]
   plain = make()
   scaled = _scaled(make()) if make_scaled is None else make_scaled()
@@ -367,21 +370,21 @@ def _programs(name: str) -> _Programs:
     updates, state = plain.update(grads, state, params, **_extra(name, value))
     return optax.apply_updates(params, updates), state
 
+  def grad_scaler_step(scaler, optimizer, grads, value):
+    optimizer.grads = grads
+    scaler.step(optimizer, **_extra(name, value))
+    scaler.update()
+    return scaler, optimizer
+
   return _Programs(
     plain,
     scaled,
     jax.jit(lambda g, s, p, v: plain.update(g, s, p, **_extra(name, v))),
     jax.jit(lambda g, s, p, v: scaled.update(g, s, p, **_extra(name, v))),
     jax.jit(plain_step),
+    jax.jit(lambda g, s, p, v: jaxamp.apply_scaled_updates(scaled, g, s, p, **_extra(name, v))),
+    jax.jit(grad_scaler_step),
   )
-
-
-@jax.jit
-def _grad_scaler_step(scaler, optimizer, grads, extra):
-  optimizer.grads = grads
-  scaler.step(optimizer, **extra)
-  scaler.update()
-  return scaler, optimizer
 
 
 def _holding(scaled_state: Any, inner_state: Any) -> Any:
@@ -405,12 +408,13 @@ def _assert_scale_one(scaled_state: Any) -> None:
   assert float(state.loss_scale) == 1.0
 
 
-def _differences(name: str, tree: str, forms: tuple[str, ...]) -> dict[str, Any]:
+def _differences(
+  programs: _Programs, name: str, tree: str, forms: tuple[str, ...]
+) -> dict[str, Any]:
   """Each form's largest ``_Difference`` from plain optax over the steps, or
   the error a lookahead form refuses with. Every step starts each form from
   plain optax's params and inner state: a difference is that step's own, not
   an earlier one's carried on."""
-  programs = _programs(name)
   params, targets = _problem(tree, name)
   state, scaled_state = programs.plain.init(params), programs.scaled.init(params)
   scaler = jaxamp.GradScaler(init_scale=1.0, growth_interval=_NEVER_GROWS)
@@ -427,9 +431,7 @@ def _differences(name: str, tree: str, forms: tuple[str, ...]) -> dict[str, Any]
   def fused(grads, value, want):
     nonlocal scaled_state
     held = _holding(scaled_state, state)
-    got, scaled_state = _apply_scaled_updates(
-      programs.scaled, grads, held, params, **_extra(name, value)
-    )
+    got, scaled_state = programs.fused(grads, held, params, value)
     _assert_scale_one(scaled_state)
     return _difference((got, _held(scaled_state)), want)
 
@@ -437,7 +439,7 @@ def _differences(name: str, tree: str, forms: tuple[str, ...]) -> dict[str, Any]
     nonlocal scaler, optimizer
     optimizer.params, optimizer.opt_state = params, state
     scaler.scale(jnp.float32(1.0))
-    scaler, optimizer = _grad_scaler_step(scaler, optimizer, grads, _extra(name, value))
+    scaler, optimizer = programs.grad_scaler_step(scaler, optimizer, grads, value)
     assert float(scaler.loss_scale) == 1.0
     return _difference((optimizer.params, optimizer.opt_state), want)
 
@@ -461,9 +463,8 @@ def _differences(name: str, tree: str, forms: tuple[str, ...]) -> dict[str, Any]
   return worst
 
 
-def _optax_refuses(name: str, tree: str) -> str | None:
+def _optax_refuses(programs: _Programs, name: str, tree: str) -> str | None:
   """Why plain optax cannot update ``tree`` (bfloat16 leaves), or None."""
-  programs = _programs(name)
   params, (target, *_) = _problem(tree, name)
   value, grads = _value_and_grad(_fast(params), target)
   try:
@@ -494,11 +495,12 @@ def test_scale_one_is_plain_optax_bit_for_bit(name, tree):
   # three take three times the update's alone, which the suite runs.
   table = os.environ.get("JAXAMP_IDENTITY_TABLE")
   forms = _FORMS if table else ("update",)
-  refused = _optax_refuses(name, tree) if tree == "bfloat16 mixed" else None
+  programs = _programs(name)
+  refused = _optax_refuses(programs, name, tree) if tree == "bfloat16 mixed" else None
   if refused is not None:
     cells = dict.fromkeys(forms, f"n/a: {refused}")
   else:
-    results = _differences(name, tree, forms)
+    results = _differences(programs, name, tree, forms)
     cells = {form: _cell(result) for form, result in results.items()}
   if table:
     _CELLS.update({(name, tree, form): cell for form, cell in cells.items()})
