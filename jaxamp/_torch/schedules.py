@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 # The state of the stateful schedule inject_hyperparams wraps a schedule in.
@@ -57,7 +58,13 @@ def with_hyperparams_of(skipped: Any, applied: Any) -> Any:
   iteration, as torch's ``param_groups`` show its learning rate."""
 
   def take(old: Any, new: Any) -> Any:
-    return old._replace(hyperparams=new.hyperparams) if _is_injected(old) else old
+    if not _is_injected(old):
+      return old
+    fresh = {  # the values of new, the types of old (a traced update may give Python ones)
+      k: jnp.asarray(new.hyperparams[k], v.dtype) if hasattr(v, "dtype") else v
+      for k, v in old.hyperparams.items()
+    }
+    return old._replace(hyperparams=fresh)
 
   return jax.tree.map(take, skipped, applied, is_leaf=_is_injected)
 
