@@ -17,7 +17,8 @@ float32 gradients that are an input of the step (not donated, reused):
 
 Each jaxamp contender runs a ``finite`` row and a ``skip`` row (one inf in the
 middle leaf's gradient, so every step is skipped); each row has its own params
-and state, and every ratio is to the finite plain-Adam step. Each step is
+and state, and every ratio is to the finite plain-Adam step. Each round runs
+the rows in a new random order (fixed seed). Each step is
 compiled first (``.lower(...).compile()``), 2 warm-up rounds are left out,
 and every call ends in ``jax.block_until_ready``. Besides wall time, each row
 gives the process's CPU time and its minor page faults per step (the fresh
@@ -250,8 +251,12 @@ def run_steps(mix: str, repeats: int, hlo_dir: str | None) -> tuple[list[dict], 
   times: dict[int, list[float]] = {i: [] for i in range(len(rows))}
   cpu: dict[int, list[float]] = {i: [] for i in range(len(rows))}
   faults: dict[int, list[int]] = {i: [] for i in range(len(rows))}
+  order = np.random.default_rng(0)
   for _ in range(repeats + 2):  # the first two are warm-up
-    for i, row in enumerate(rows):
+    # Each round in a fresh order: a step runs slower after some others (the
+    # optax form's temporaries), and a fixed order would charge that to one row.
+    for i in map(int, order.permutation(len(rows))):
+      row = rows[i]
       params, opt_state = row["state"]
       start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start, start_cpu = time.perf_counter(), time.process_time()
