@@ -314,7 +314,8 @@ def test_get_loss_scale_errors_when_none_or_several():
 
 def test_scale_loss_multiplies_in_float32():
   state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
-  scaled = jaxamp.scale_loss(jnp.float16(2.0), state)
+  with pytest.warns(UserWarning, match="jaxamp: scale_loss got a float16 loss"):
+    scaled = jaxamp.scale_loss(jnp.float16(2.0), state)
   assert scaled.dtype == jnp.float32 and float(scaled) == 131072.0  # float16 would be inf
 
 

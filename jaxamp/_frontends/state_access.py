@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -134,8 +135,8 @@ def outliving_donation(value: jax.Array) -> jax.Array:
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-  """``loss * loss_scale``, in float32 for a float16/bfloat16/float32 loss (as torch:
-  float16 would overflow), float64 for float64. Differentiate this.
+  """``loss * loss_scale``, in float32 for a scalar loss of float32 or less and float64 for
+  float64, as torch; a float16 loss warns (docs/grad_scaler.md). Differentiate this.
 
   Args:
     loss: the loss, a floating array (float32 recommended).
@@ -145,17 +146,25 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   Examples:
     >>> import optax, jax.numpy as jnp, jaxamp
     >>> state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(3)})
-    >>> jaxamp.scale_loss(jnp.float16(2.0), state)
+    >>> jaxamp.scale_loss(jnp.float32(2.0), state)
     Array(131072., dtype=float32)
   """
-  dtype = getattr(loss, "dtype", None)
-  if dtype is None and isinstance(loss, float):
-    dtype = np.dtype(float)
+  dtype = getattr(loss, "dtype", np.dtype(float) if isinstance(loss, float) else None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     kind = f"dtype {dtype}" if dtype is not None else f"type {type(loss).__name__}"
     raise TypeError(
       f"jaxamp: scale_loss got a loss of {kind}; it scales a floating-point loss "
       "(float32 recommended), whose gradients can be taken."
+    )
+  if dtype == jnp.float16:
+    warnings.warn(
+      "jaxamp: scale_loss got a float16 loss; as in torch, its gradient starts from the loss "
+      "scale cast to float16, inf from 65536 on (float16's maximum is 65504), so every step at "
+      "such a scale is skipped. Compute the loss in float32 from float32 values, as torch's "
+      "autocast does, e.g. optax.softmax_cross_entropy_with_integer_labels(logits.astype("
+      "jnp.float32), y); casting the finished float16 loss does not help (its gradient is cast "
+      "back).",
+      stacklevel=2,
     )
   return multiply_by_scale(loss, get_loss_scale(opt_state))
 
