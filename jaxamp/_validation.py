@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def is_none(x: Any) -> bool:
@@ -68,6 +69,14 @@ def check_same_structure(grads: Any, params: Any) -> None:
     return
   grad_leaves, grads_def = jax.tree.flatten(grads, is_leaf=is_none)
   param_leaves, params_def = jax.tree.flatten(params, is_leaf=is_none)
+  if isinstance(params, optax.LookaheadParams) and grads_def != params_def:  # type: ignore[operator]
+    raise ValueError(
+      "jaxamp: put optax.lookahead around the loss scaler, not inside it: "
+      "optax.lookahead(jaxamp.dynamic_loss_scale(inner), sync_period, slow_step_size), "
+      "stepped with tx.update and optax.apply_updates.\n"
+      "  lookahead's parameters are LookaheadParams (fast and slow), its gradients "
+      "the fast parameters' tree, which the scaler checks and unscales."
+    )
   if grads_def != params_def:  # type: ignore[operator]
     raise ValueError(
       "jaxamp: the gradient tree does not match the parameter tree.\n"
