@@ -1,4 +1,5 @@
-"""One skip decision for all devices, and the mesh types of a skipped step's zeros."""
+"""One skip decision for all devices, replicas kept identical, and the mesh types of a
+skipped step's zeros."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxamp._validation import is_array_leaf, is_none
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -48,7 +51,7 @@ def all_reduce_found_inf(
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``/``pmap``
       over it), or the scale state differs between those devices.
   """
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  names = _names(axis_name)
   _check_bound(names, axis_name)
   _check_replicated(state, names)
   return lax.psum(found_inf.astype(jnp.int32), names) > 0
@@ -66,3 +69,29 @@ def _check_bound(names: tuple[str, ...], axis_name: Any) -> None:
         "inside jax.shard_map (or pmap) over that mesh axis, or leave axis_name "
         f"unset under plain jax.jit. ({error})"
       ) from None
+
+
+def _names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def check_averaged(grads: Any, params: Any, axis_name: str | tuple[str, ...]) -> None:
+  """Raises ValueError for a gradient that varies over an axis of ``axis_name`` where
+  its parameter does not (inside ``shard_map``, by JAX's varying-axes types): each
+  device would step the same replicated parameter by its own gradient, and the
+  replicas would differ. Sharded parameters (ZeRO, FSDP) vary too and pass."""
+  paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+  for (path, param), grad in zip(paths, jax.tree.leaves(grads, is_leaf=is_none)):
+    if grad is None or not is_array_leaf(param):
+      continue
+    axes = sorted((varying_axes(grad) - varying_axes(param)) & set(_names(axis_name)))
+    if axes:
+      axis = axes[0] if len(axes) == 1 else tuple(axes)
+      raise ValueError(
+        f"jaxamp: average the gradients over the devices before the update: "
+        f"grads = lax.pmean(grads, {axis!r}). The gradient of "
+        f"{jax.tree_util.keystr(path) or '<root>'} varies over {axes} but its parameter "
+        "is replicated, so each device would step its copy differently.\n"
+        "  To step each device's copy on its own on purpose, pass the parameters as "
+        f"varying: lax.pcast(params, {axis!r}, to='varying')."
+      )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp._config import LossScaleConfig
-from jaxamp._distributed import all_reduce_found_inf, varying_axes, zeros_of_type
+from jaxamp._distributed import all_reduce_found_inf, check_averaged, varying_axes, zeros_of_type
 from jaxamp._torch.groups import skipped_leaves
 from jaxamp._torch.schedules import (
   advance_schedule_counts,
@@ -36,8 +36,11 @@ class Check(NamedTuple):
   inverse: tuple[jax.Array, ...]  # torch's inv_scale as inverse_parts, outside the branches
 
 
-def check(grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any) -> Check:
-  """torch's inf/NaN check of the still-scaled ``grads``, shared over ``config.axis_name``."""
+def check(
+  grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any, params: Any = None
+) -> Check:
+  """torch's inf/NaN check of the still-scaled ``grads``, shared over ``config.axis_name``;
+  ``params``, where given, must vary wherever their gradients do (averaged gradients)."""
   if config.axis_name is None:
     varying = sorted(set().union(*map(varying_axes, jax.tree.leaves(grads))))
     if varying:
@@ -46,6 +49,8 @@ def check(grads: Any, loss_scale: jax.Array, config: LossScaleConfig, state: Any
         f"{varying}, but dynamic_loss_scale has no axis_name, so each device would "
         f"skip on its own. Build it with axis_name={tuple(varying) if len(varying) > 1 else varying[0]!r}."
       )
+  elif params is not None:
+    check_averaged(grads, params, config.axis_name)
   nonfinite = ~finite_leaves(grads, loss_scale, config.detect_unscale_overflow)
   if config.axis_name is not None:
     nonfinite = all_reduce_found_inf(nonfinite, state, config.axis_name)
