@@ -516,7 +516,7 @@ RUN_DOC = (
   "import re, sys\n"
   "text = open(sys.argv[1]).read()\n"
   "blocks = re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
-  "assert len(blocks) == 4, len(blocks)\n"
+  "assert len(blocks) == 5, len(blocks)\n"
   "scope = {}\n"
   "for block in blocks:\n"
   "  exec(compile(block, sys.argv[1], 'exec'), scope)\n"
@@ -538,7 +538,7 @@ def test_distributed_doc_python_examples_run(count):
     env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}"),
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert proc.stdout.strip() == f"ran 4 blocks on {count} devices"
+  assert proc.stdout.strip() == f"ran 5 blocks on {count} devices"
 
 
 # --------------------------------------------------------------------------
