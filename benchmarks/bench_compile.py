@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+import results_file
 from model_shapes import MIXES, describe
 
 import jaxamp
@@ -56,6 +57,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--mixes", default="equal/25m/200,lognormal/25m/200,gpt2,resnet50")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument(
+    "--json", metavar="PATH", help="write the figures there (benchmarks/results/)"
+  )
   args = parser.parse_args()
   print(
     f"# {os.cpu_count()} cores, jax {jax.__version__}, jaxamp from "
@@ -63,6 +67,7 @@ def main():
   )
   print("| mix | contender | compile s | / adam |")
   print("|---|---|---:|---:|")
+  rows = []
   for mix in args.mixes.split(","):
     shapes = MIXES[mix]()
     params = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
@@ -76,6 +81,8 @@ def main():
       print(
         f"| {mix} ({describe(shapes)}) | {name} | {median:.2f} | {median / base:.2f} |", flush=True
       )
+      rows.append({"mix": mix, "contender": name, "compile_s": median, "ratio": median / base})
+  results_file.write(args.json, {"repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

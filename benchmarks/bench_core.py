@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import results_file
 from model_shapes import MIXES, describe
 
 import jaxamp
@@ -384,17 +385,6 @@ def tree_builder(n_leaves: int) -> tuple[Builder, str]:
 # ------------------------------------------------------------------ driver
 
 
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def cpu_flags() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -462,13 +452,9 @@ def main() -> None:
   # Every compile is measured afresh: no program comes from a cache on disk.
   jax.config.update("jax_enable_compilation_cache", False)
   jax.jit(lambda x: x + 1).lower(1.0).compile()  # backend start-up, outside every timing
-  device = jax.devices()[0]
   hardware = {
-    "cpu": cpu_model(),
+    **results_file.machine(),  # cpu, cores, device, jax, date: as every results file
     "cpu_flags": cpu_flags(),
-    "cores": os.cpu_count(),
-    "device": f"{device.platform} ({device.device_kind})",
-    "jax": jax.__version__,
     "optax": optax.__version__,
     "python": platform.python_version(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
@@ -487,7 +473,12 @@ def main() -> None:
     f"JAXAMP_XLA_OFF={meta['jaxamp_xla_off']!r}, load average {os.getloadavg()[0]:.2f}",
     flush=True,
   )
-  result: dict[str, Any] = {"hardware": hardware, "meta": meta, "args": vars(args)}
+  result: dict[str, Any] = {
+    "command": results_file.command(),
+    "hardware": hardware,
+    "meta": meta,
+    "args": vars(args),
+  }
   tables = []  # printed as each part ends, and all again at the end
   if "step" in parts:
     table, info = run_steps(args.mix, args.repeats, args.hlo_dir)

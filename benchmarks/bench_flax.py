@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import results_file
 from flax import nnx
 from flax.training import train_state
 
@@ -85,6 +86,9 @@ def main():
   parser.add_argument("--params", type=int, default=25_000_000)
   parser.add_argument("--leaves", type=int, default=200)
   parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument(
+    "--json", metavar="PATH", help="write the figures there (benchmarks/results/)"
+  )
   args = parser.parse_args()
   params = _arrays(args.params, args.leaves, 0)
   finite = _arrays(args.params, args.leaves, 1, scale=4.0)
@@ -120,6 +124,7 @@ def main():
   )
   print("| update | optimizer | step | median ms | p10-p90 ms | / same API with adam |")
   print("|---|---|---|---:|---:|---:|")
+  rows = []
   for (name, opt, which), ts in times.items():
     ms = np.asarray(ts[2:]) * 1e3
     base = statistics.median(times[(name.removesuffix("_fast"), "adam", 0)][2:]) * 1e3
@@ -128,6 +133,11 @@ def main():
       f"| {name} | {opt} | {'skip' if which else 'finite'} | {med:.1f} | "
       f"{np.percentile(ms, 10):.1f}-{np.percentile(ms, 90):.1f} | {med / base:.2f} |"
     )
+    step = "skip" if which else "finite"
+    rows.append(
+      {"update": name, "optimizer": opt, "step": step, "median_ms": med, "ratio": med / base}
+    )
+  results_file.write(args.json, {"params": args.params, "leaves": args.leaves, "rows": rows})
 
 
 if __name__ == "__main__":

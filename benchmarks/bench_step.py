@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import results_file
 from jax.flatten_util import ravel_pytree
 from model_shapes import MIXES, describe
 
@@ -309,6 +310,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--compile-budget", type=float, default=300.0)
   parser.add_argument("--quick", action="store_true", help="equal/1m/4 only, 5 repeats")
+  parser.add_argument(
+    "--json", metavar="PATH", help="write the figures there (benchmarks/results/)"
+  )
   args = parser.parse_args()
   if args.quick:
     args.mixes, args.repeats = "equal/1m/4", 5
@@ -332,6 +336,9 @@ def main():
       table += rows
   print("\n## All configurations\n")
   print_table(table)
+  keys = ("mix", "grads", "contender", "step", "median_ms", "p10_p90_ms", "ratio", "compile_s")
+  rows = [dict(zip(keys, row)) for row in table]  # a failed row: its error as compile_s
+  results_file.write(args.json, {"repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

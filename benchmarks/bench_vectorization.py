@@ -36,6 +36,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUM
 import jax  # XLA_FLAGS is read when the backend starts, after this
 import jax.numpy as jnp
 import optax
+import results_file
 
 import jaxamp
 
@@ -76,6 +77,9 @@ def main():
     "--shapes", default="4000000,4000001,4001x1000,4001x999,7x7x256x320,7x7x255x321"
   )
   parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument(
+    "--json", metavar="PATH", help="write the figures there (benchmarks/results/)"
+  )
   args = parser.parse_args()
   runs = {}
   for shape in [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]:
@@ -97,6 +101,7 @@ def main():
   print(f"# {os.cpu_count()} cores, jax {jax.__version__}, {args.repeats} repeats; dumps in {DUMP}")
   print("| leaf shape | grads | contender | median ms | / adam | vectorized kernels |")
   print("|---|---|---|---:|---:|---:|")
+  rows = []
   for (shape, grads, contender), run in runs.items():
     label = "x".join(map(str, shape))
     ms = statistics.median(run[4][2:]) * 1e3
@@ -105,6 +110,17 @@ def main():
     print(
       f"| {label} | {grads} | {contender} | {ms:.2f} | {ms / base:.2f} | {vectorized}/{total} |"
     )
+    rows.append(
+      {
+        "leaf": label,
+        "grads": grads,
+        "contender": contender,
+        "median_ms": ms,
+        "ratio": ms / base,
+        "kernels_vectorized": [vectorized, total],
+      }
+    )
+  results_file.write(args.json, {"repeats": args.repeats, "rows": rows})
   sys.stdout.flush()
 
 

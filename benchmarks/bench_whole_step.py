@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import results_file
 from flax import nnx
 from flax.training import train_state
 
@@ -341,6 +342,9 @@ def main():
   parser.add_argument(
     "--quick", action="store_true", help="smoke test: a tiny model (2x32 tokens), 3 repeats"
   )
+  parser.add_argument(
+    "--json", metavar="PATH", help="write the figures there (benchmarks/results/)"
+  )
   args = parser.parse_args()
   if args.quick:
     args.batch, args.seq, args.width, args.layers, args.heads, args.vocab = 2, 32, 64, 2, 2, 512
@@ -416,6 +420,7 @@ def main():
     "| aliased/read/donated | skipped |"
   )
   print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+  table = []
   for name, which in rows:
     family = name.split()[0]
     base_ms = statistics.median(times[(f"{family} plain", 0)][2:]) * 1e3
@@ -431,6 +436,18 @@ def main():
       f"{runner.compile_s:.1f} | {runner.compile_s / base_compile:.2f} | "
       f"{runner.alias_note} | {skipped} |"
     )
+    table.append(
+      {
+        "step": name,
+        "grads": "skip" if which else "finite",
+        "median_ms": med,
+        "ratio": med / base_ms,
+        "compile_s": runner.compile_s,
+        "compile_ratio": runner.compile_s / base_compile,
+      }
+    )
+  model = {k: getattr(args, k) for k in ("batch", "seq", "width", "layers", "heads", "vocab")}
+  results_file.write(args.json, {"model": model, "params": n_linen, "rows": table})
 
 
 if __name__ == "__main__":

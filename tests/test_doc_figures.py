@@ -5,6 +5,8 @@ latest report of docs/parity.md and its pictures from ``python -m parity --docs`
 (parity/report.py), the install lines from pyproject.toml's extras.
 """
 
+import decimal
+import json
 import pathlib
 import re
 import struct
@@ -232,3 +234,196 @@ def test_doc_figures_parity_refuses_to_write_a_partial_or_unmarked_report(
   assert main([*args, "--docs", str(page), "--no-png", "--no-progress"]) == 2  # before any run
   assert page.read_text() == original
   assert capsys.readouterr().err.startswith("parity: ")
+
+
+# Speed figures: every ratio or timing that README.md or docs/ states comes from a
+# results file of benchmarks/results/, which a benchmark script writes with its
+# command and machine (--json PATH). A paragraph or table that states one ends in,
+# or is followed by, <!-- measured: NAME, ... --> naming its files.
+RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS_LOG = ROOT / "BENCHMARKS.md"
+MEASURED = re.compile(r"<!-- measured: ([\w, ]+) -->")
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+SPEED = re.compile(
+  rf"(?<![\w.]){NUMBER}(?:-{NUMBER})?(?:x\b| ?ms\b| s\b| GB/s|% (?:slower|faster))"
+)
+NOT_FIGURES = {"command", "hardware", "source", "meta", "args", "what"}
+# Pages whose timings are not jaxamp's speed: the test suite's and the parity report's run times.
+NOT_SPEED_PAGES = {"benchmarks.md", "contributing.md", "parity.md", "underflow.md"}
+# Pages edited elsewhere whose figures still need their <!-- measured: ... --> line.
+AWAITING_RESULTS_FILES = {"autocast.md", "flax.md"}
+
+
+def _results(name: str) -> dict:
+  path = RESULTS / f"{name}.json"
+  assert path.exists(), f"benchmarks/results/{name}.json does not exist"
+  return json.loads(path.read_text())
+
+
+def _figures(node, key: str = "") -> list[decimal.Decimal]:
+  """Every number of a results file but its command, machine and arguments."""
+  if key in NOT_FIGURES or isinstance(node, bool):
+    return []
+  if isinstance(node, (int, float)):
+    return [decimal.Decimal(repr(node))]
+  if isinstance(node, dict):
+    return [n for k, v in node.items() for n in _figures(v, k)]
+  if isinstance(node, list):
+    return [n for v in node for n in _figures(v)]
+  return []
+
+
+def _numbers(text: str) -> list[str]:
+  return [n.replace(",", "") for n in re.findall(NUMBER, text)]
+
+
+def _as_written(written: str, figures: list[decimal.Decimal]) -> bool:
+  """Whether one of ``figures``, rounded to the digits ``written`` shows, is ``written``."""
+  step = decimal.Decimal(1).scaleb(-len(written.partition(".")[2]))
+  wanted = decimal.Decimal(written)
+  return any(f.quantize(step, rounding=decimal.ROUND_HALF_UP) == wanted for f in figures)
+
+
+def _sections(text: str) -> list[list[str]]:
+  """The page's sections (split at headings), each as its blocks (split at blank
+  lines), code blocks left out."""
+  lines, in_code = [], False
+  for line in text.splitlines():
+    if line.startswith("```"):
+      in_code = not in_code
+    lines.append("" if in_code or line.startswith("```") else line)
+  sections, current = [], []
+  for line in lines:
+    if line.startswith("#"):
+      sections.append(current)
+      current = []
+    current.append(line)
+  sections.append(current)
+  return [[b for b in "\n".join(s).split("\n\n") if b.strip()] for s in sections]
+
+
+def _machine_named(hardware: dict, text: str) -> bool:
+  cores = hardware["cores"]
+  return (f"{cores}-core" in text or f"{cores} cores" in text) and hardware["device"] in text
+
+
+def _speed_figure_problems(page: pathlib.Path) -> list[str]:
+  text = page.read_text()
+  sections, lead = _sections(text), text.split("\n## ")[0]  # the lead speaks for the page
+  problems = []
+  for blocks in sections:
+    section = "\n\n".join(blocks)
+    for number, block in enumerate(blocks):
+      names = MEASURED.findall(block)
+      if not names and number + 1 < len(blocks) and MEASURED.fullmatch(blocks[number + 1].strip()):
+        names = MEASURED.findall(blocks[number + 1])
+      prose = MEASURED.sub("", block)
+      stated = [m.group(0) for m in SPEED.finditer(prose)]
+      if names and block.startswith("|"):  # a measured table's plain numbers are figures too
+        stated += [c for c in re.split(r"\s*\|\s*", prose) if re.fullmatch(r"\d+\.\d+", c)]
+      if not stated or MEASURED.fullmatch(block.strip()):
+        continue
+      where = f"{page.name}: {prose.strip()[:70]!r}"
+      if not names:
+        problems.append(f"{where} states {stated} without <!-- measured: ... -->")
+        continue
+      files = [_results(n.strip()) for name in names for n in name.split(",")]
+      figures = [f for data in files for f in _figures(data)]
+      wrong = [s for s in stated for n in _numbers(s) if not _as_written(n, figures)]
+      if wrong:
+        problems.append(f"{where}: {wrong} are not in benchmarks/results/{names}")
+      for data in files:
+        if not any(_machine_named(data["hardware"], t) for t in (block, section, lead)):
+          hw = data["hardware"]
+          problems.append(
+            f"{where} does not name its machine ({hw['cores']} cores, {hw['device']})"
+          )
+  return problems
+
+
+@pytest.mark.parametrize(
+  "page",
+  [
+    pytest.param(
+      p,
+      marks=pytest.mark.xfail(
+        strict=True, reason="its figures need a <!-- measured: ... --> line and a results file"
+      ),
+    )
+    if p.name in AWAITING_RESULTS_FILES
+    else p
+    for p in PAGES
+    if p.name not in NOT_SPEED_PAGES
+  ],
+  ids=lambda p: p.name,
+)
+def test_doc_figures_speed_figures_come_from_results_files(page):
+  problems = _speed_figure_problems(page)
+  assert not problems, "\n".join(problems)
+
+
+def test_doc_figures_speed_check_catches_a_figure_typed_by_hand(tmp_path):
+  measured = "<!-- measured: whole_step_batch8 -->"
+  cases = {
+    "Speed: 0.91-1.12x on 2 cores, XLA CPU.\n" + measured: [],
+    "Speed: 0.91-1.12x on 2 cores, XLA CPU.\n": ["without <!-- measured"],
+    "Speed: 0.90-1.12x on 2 cores, XLA CPU.\n" + measured: ["['0.90-1.12x'] are not in"],
+    "Speed: 0.91-1.12x.\n" + measured: ["does not name its machine"],
+  }
+  for text, expected in cases.items():
+    page = tmp_path / "page.md"
+    page.write_text(f"# Page\n\n{text}\n")
+    problems = _speed_figure_problems(page)
+    assert len(problems) == len(expected), (text, problems)
+    assert all(e in p for e, p in zip(expected, problems)), (text, problems)
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_doc_figures_results_file_names_its_command_and_machine(path):
+  data = json.loads(path.read_text())
+  hardware = data.get("hardware", {})
+  missing = [k for k in ("cpu", "cores", "device", "jax", "date") if not hardware.get(k)]
+  assert not missing, f"{path.name}'s hardware lacks {missing}"
+  commands = data.get("command")
+  commands = [commands] if isinstance(commands, str) else commands
+  assert commands, f"{path.name} names no command"
+  for command in commands:
+    script = re.search(r"python (benchmarks/\w+\.py)", command)
+    assert script and (ROOT / script[1]).exists(), (path.name, command)
+    assert '"--json"' in (ROOT / script[1]).read_text(), f"{script[1]} cannot write --json"
+  assert _figures(data), f"{path.name} holds no figure"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_doc_figures_results_file_from_the_log_matches_it(path):
+  """A results file copied from BENCHMARKS.md ("source") holds only the log's figures."""
+  data = json.loads(path.read_text())
+  if "source" not in data:
+    pytest.skip(f"{path.name} was written by its benchmark")
+  sources = [data["source"]] if isinstance(data["source"], str) else data["source"]
+  log, text = BENCHMARKS_LOG.read_text(), ""
+  for source in sources:
+    heading = source.split(", ", 1)[1]  # "BENCHMARKS.md, <heading>"
+    found = re.search(rf"^(#+) {re.escape(heading)}\n", log, flags=re.MULTILINE)
+    assert found, f"{path.name}: BENCHMARKS.md has no heading {heading!r}"
+    end = re.search(rf"^#{{1,{len(found[1])}}} ", log[found.end() :], flags=re.MULTILINE)
+    text += log[found.end() : found.end() + end.start() if end else len(log)]
+  logged = {decimal.Decimal(n) for n in _numbers(text)}
+  absent = sorted({str(f) for f in _figures(data) if f not in logged})
+  assert not absent, f"{path.name} holds {absent}, which {sources} do not"
+
+
+def test_doc_figures_benchmark_log_tables_name_script_and_command():
+  """Each topic of BENCHMARKS.md with a table names the script and the command that
+  measured it; the machine is "The machine"'s unless the topic names another."""
+  log = BENCHMARKS_LOG.read_text()
+  machine = " ".join(_section(log, "## The machine").split())
+  assert "2 cores" in machine and "XLA CPU" in machine and "jax 0.10.2" in machine
+  topics = re.split(r"^(?=## )", log, flags=re.MULTILINE)[1:]
+  bare = []
+  for topic in topics:
+    if not re.search(r"^\|", topic, flags=re.MULTILINE):
+      continue
+    if not re.search(r"benchmarks/\w+\.py", topic) or "python benchmarks/" not in topic:
+      bare.append(topic.splitlines()[0])
+  assert not bare, f"BENCHMARKS.md topics with a table but no script and command: {bare}"

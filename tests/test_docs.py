@@ -43,10 +43,14 @@ def python_blocks(path):
 
 def shown_outputs(path):
   """Per python block of ``path``: the ```text block that a paragraph ending in
-  "prints:" shows right after it, or None."""
-  pattern = r"^```python\n.*?^```\n(?:\n(?:(?!```)[^\n]*\n)*?[^\n]*prints:\n\n```text\n(.*?)^```)?"
+  "prints:" shows right after it, "" after a paragraph ending in "prints nothing.",
+  or None."""
+  pattern = (
+    r"^```python\n.*?^```\n(?:\n(?:(?!```)[^\n]*\n)*?"
+    r"(?:[^\n]*prints:\n\n```text\n(.*?)^```|[^\n]*(prints nothing)\.\n))?"
+  )
   return [
-    match.group(1)
+    match.group(1) if match.group(2) is None else ""
     for match in re.finditer(pattern, path.read_text(), flags=re.DOTALL | re.MULTILINE)
   ]
 
@@ -77,6 +81,16 @@ def test_docs_python_blocks_run_in_order(name, capsys):
     if shown is not None:
       printed = capsys.readouterr().out
       assert printed == shown, f"{name}, python block {number}, shows another output than it prints"
+
+
+# Each python block of these states what it prints ("prints:" or "prints nothing.").
+STATE_EVERY_OUTPUT = ["docs/quickstart.md", "docs/grad_scaler.md", "docs/speed.md", "docs/index.md"]
+
+
+@pytest.mark.parametrize("name", STATE_EVERY_OUTPUT)
+def test_docs_every_python_block_states_its_output(name):
+  unstated = [n for n, shown in enumerate(shown_outputs(ROOT / name), 1) if shown is None]
+  assert not unstated, f"{name}: python blocks {unstated} do not say what they print"
 
 
 def test_docs_quickstart_states_what_each_block_prints():
