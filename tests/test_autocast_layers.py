@@ -280,6 +280,21 @@ OPS = {
     [(B, HEADS, L, D)] * 3,
   ),
   "linalg_vecdot": (jnp.linalg.vecdot, torch.linalg.vecdot, [(B, D)] * 2, [(B, D)] * 2),
+  "vecdot_written_out": (  # a multiply, then a sum: float32 on CUDA's list, not on CPU's
+    lambda a, b: (a * b).sum(-1),
+    lambda a, b: (a * b).sum(-1),
+    [(B, D)] * 2,
+    [(B, D)] * 2,
+  ),
+  "reciprocal": (jnp.reciprocal, torch.reciprocal, [(B, D)], [(B, D)]),  # JAX's integer_pow
+  # On none of torch's lists: their input dtype on CUDA too.
+  "exp2": (jnp.exp2, torch.exp2, [(B, D)], [(B, D)]),
+  "logcumsumexp": (
+    lambda x: jax.lax.cumlogsumexp(x, axis=1),
+    lambda x: torch.logcumsumexp(x, 1),
+    [(B, D)],
+    [(B, D)],
+  ),
 }
 
 

@@ -22,12 +22,13 @@ _LINALG = frozenset(
   {"cholesky", "lu", "qr", "svd", "eigh", "eig", "triangular_solve", "householder_product", "fft"}
 )
 
-# torch's CUDA float32 list, as JAX primitives (docs/autocast.md has the table).
+# torch's CUDA float32 list, as JAX primitives: torch 2.13's AT_FORALL_FP32 and
+# AT_FORALL_FP32_SET_OPT_DTYPE (ATen/autocast_mode.h; docs/autocast.md has the table).
+# Not exp2 or cumlogsumexp: torch's exp2 and logcumsumexp are on none of its lists.
 FP32_CUDA = (
   frozenset(
     {
       "exp",
-      "exp2",
       "expm1",
       "log",
       "log1p",
@@ -39,7 +40,6 @@ FP32_CUDA = (
       "reduce_prod",
       "cumsum",
       "cumprod",
-      "cumlogsumexp",
       "erf_inv",
       "acos",
       "asin",
