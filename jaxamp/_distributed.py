@@ -51,7 +51,7 @@ def all_reduce_found_inf(
     ValueError: ``axis_name`` is not bound (not inside ``shard_map``/``pmap``
       over it), or the scale state differs between those devices.
   """
-  names = _names(axis_name)
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   _check_bound(names, axis_name)
   _check_replicated(state, names)
   return lax.psum(found_inf.astype(jnp.int32), names) > 0
@@ -71,20 +71,15 @@ def _check_bound(names: tuple[str, ...], axis_name: Any) -> None:
       ) from None
 
 
-def _names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
 def check_averaged(grads: Any, params: Any, axis_name: str | tuple[str, ...]) -> None:
-  """Raises ValueError for a gradient that varies over an axis of ``axis_name`` where
-  its parameter does not (inside ``shard_map``, by JAX's varying-axes types): each
-  device would step the same replicated parameter by its own gradient, and the
-  replicas would differ. Sharded parameters (ZeRO, FSDP) vary too and pass."""
+  """Raises ValueError for a gradient varying over ``axis_name`` where its parameter is
+  replicated: the replicas would differ (sharded parameters vary too, and pass)."""
+  names = {axis_name} if isinstance(axis_name, str) else set(axis_name)
   paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
   for (path, param), grad in zip(paths, jax.tree.leaves(grads, is_leaf=is_none)):
     if grad is None or not is_array_leaf(param):
       continue
-    axes = sorted((varying_axes(grad) - varying_axes(param)) & set(_names(axis_name)))
+    axes = sorted((varying_axes(grad) - varying_axes(param)) & names)
     if axes:
       axis = axes[0] if len(axes) == 1 else tuple(axes)
       raise ValueError(
