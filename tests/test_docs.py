@@ -136,3 +136,9 @@ def test_docs_readme_links_resolve_and_it_stays_short():
   missing = [link for link in local if not (ROOT / link).exists()]
   assert not missing, missing
   assert len(text.splitlines()) <= 150, "the README is a summary: details go into docs/"
+
+
+def test_docs_index_counts_the_quickstart_lines():
+  [count] = re.findall(r"in (\d+) lines of code", (DOCS / "index.md").read_text())
+  first = python_blocks(DOCS / "quickstart.md")[0]
+  assert int(count) == len([line for line in first.splitlines() if line.strip()])
