@@ -470,3 +470,85 @@ def test_torchvision_port_matches_upstream_over_six_epochs_and_resumes_bit_for_b
     assert all(
       np.array_equal(resumed[key][k], uninterrupted[key][k]) for k in uninterrupted[key]
     ), key
+
+
+# -- the pieces, each against torch's own ---------------------------------------------
+
+
+@pytest.mark.torch
+def test_torchvision_port_ema_is_torchs_averaged_model_bit_for_bit(monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT))
+  utils = importlib.import_module("examples.torchvision_classification.utils")
+  args = _port().get_args_parser().parse_args([])
+  model = _torch_model(args)
+  ema = ExponentialMovingAverage(model, decay=0.7)  # a decay float32 cannot hold exactly
+  ours = utils.ExponentialMovingAverage(*_state_of(model), decay=0.7)
+  generator = torch.Generator().manual_seed(1)
+  for update in range(4):  # a copy (n_averaged 0), two averages, a copy after the reset
+    with torch.no_grad():
+      for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=generator))
+      for name, b in model.named_buffers():
+        b.add_(5 if "num_batches" in name else torch.rand(b.shape, generator=generator))
+    ema.update_parameters(model)
+    ours.update_parameters(*_state_of(model))
+    if update == 1:  # num_batches_tracked 0.7 * 5 + 0.3 * 10 = 6.5, truncated as torch's copy_
+      assert int(ours.module["bn1.num_batches_tracked"]) == 6
+    if update == 2:
+      ema.n_averaged.fill_(0)
+      ours.n_averaged = 0
+    theirs = ema.state_dict()
+    mine = ours.state_dict()
+    assert set(mine) == set(theirs) and int(mine["n_averaged"]) == int(theirs["n_averaged"])
+    for name in set(theirs) - {"n_averaged"}:
+      value = theirs[name]
+      expected = value.numpy().astype(np.int32) if value.dtype == torch.int64 else value.numpy()
+      assert np.asarray(mine[name]).tobytes() == expected.tobytes(), (update, name)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("norm", "bias"), [(None, None), (0.0, None), (None, 0.5), (0.0, 0.5)])
+def test_torchvision_port_set_weight_decay_groups_as_upstream(monkeypatch, norm, bias):
+  monkeypatch.syspath_prepend(str(ROOT))
+  utils = importlib.import_module("examples.torchvision_classification.utils")
+  model_module = importlib.import_module("examples.torchvision_classification.model")
+  model = _torch_model(_port().get_args_parser().parse_args([]))
+  names = {id(p): n for n, p in model.named_parameters()}
+  custom = [("bias", bias)] if bias is not None else None
+  theirs = [
+    (sorted(names[id(p)] for p in g["params"]), g["weight_decay"])
+    for g in set_weight_decay(model, 1e-4, norm, None, custom)
+  ]
+  params, _ = _state_of(model)
+  ours = utils.set_weight_decay(params, 1e-4, norm, custom, is_norm=model_module.is_norm)
+  assert [(sorted(g["params"]), g["weight_decay"]) for g in ours] == theirs
+  assert len(theirs) == 1 + (norm is not None) + (bias is not None)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("main", ["steplr", "cosineannealinglr", "exponentiallr"])
+@pytest.mark.parametrize(("warmup", "method"), [(0, "linear"), (2, "linear"), (3, "constant")])
+def test_torchvision_port_lr_schedules_are_sequential_lrs(monkeypatch, main, warmup, method):
+  monkeypatch.syspath_prepend(str(ROOT))
+  train = _port()
+  flags = [f"--lr-scheduler={main}", f"--lr-warmup-epochs={warmup}", f"--lr-warmup-method={method}"]
+  args = train.get_args_parser().parse_args(
+    [
+      *flags,
+      "--epochs=9",
+      "--lr-step-size=2",
+      "--lr-gamma=0.5",
+      "--lr-min=0.001",
+      "--lr-warmup-decay=0.1",
+    ]
+  )
+  optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+  scheduler = torch_lr_scheduler(optimizer, args)
+  theirs = []
+  for _ in range(args.epochs):
+    theirs.append(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+  ours = [float(train.make_lr_scheduler(args)(epoch)) for epoch in range(args.epochs)]
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6)  # float32 against torch's float64
+  assert len(set(theirs)) > 3

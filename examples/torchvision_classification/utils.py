@@ -62,9 +62,13 @@ def sgd(param_groups, names, momentum, nesterov):
   return optax.inject_hyperparams(build)
 
 
-@jax.jit
 def _ema_avg(averaged, model, decay, one_minus_decay):
-  """``decay * avg + (1 - decay) * model`` in float32; integer buffers truncated, as torch's ``copy_``."""
+  """``decay * avg + (1 - decay) * model`` in float32; integer buffers truncated, as torch's ``copy_``.
+
+  Op by op, not jitted: under ``jax.jit`` XLA CPU contracts the multiply and
+  the add into one FMA (one rounding), where torch rounds the two products and
+  their sum.
+  """
 
   def avg(a, m):
     out = decay * a.astype(jnp.float32) + one_minus_decay * m.astype(jnp.float32)
