@@ -336,80 +336,55 @@ def main(args, data=None, model=None, log=print):
   }
 
 
+# (flags, default, type, help): upstream's, with upstream's defaults, then the port's own
+OPTIONS = [
+  (("-b", "--batch-size"), 32, int, "images per batch"),
+  (("--epochs",), 90, int, "number of total epochs to run"),
+  (("--opt",), "sgd", str, "optimizer (sgd or sgd_nesterov)"),
+  (("--lr",), 0.1, float, "initial learning rate"),
+  (("--momentum",), 0.9, float, "momentum"),
+  (("--weight-decay", "--wd"), 1e-4, float, "weight decay"),
+  (("--norm-weight-decay",), None, float, "weight decay for Normalization layers"),
+  (("--bias-weight-decay",), None, float, "weight decay for bias parameters"),
+  (("--label-smoothing",), 0.0, float, "label smoothing"),
+  (("--lr-scheduler",), "steplr", str.lower, "steplr, cosineannealinglr or exponentiallr"),
+  (("--lr-warmup-epochs",), 0, int, "the number of epochs to warmup"),
+  (("--lr-warmup-method",), "constant", str, "the warmup method (linear or constant)"),
+  (("--lr-warmup-decay",), 0.01, float, "the decay for lr"),
+  (("--lr-step-size",), 30, int, "decrease lr every step-size epochs"),
+  (("--lr-gamma",), 0.1, float, "decrease lr by a factor of lr-gamma"),
+  (("--lr-min",), 0.0, float, "minimum lr of lr schedule"),
+  (("--print-freq",), 10, int, "print frequency"),
+  (("--output-dir",), "", str, "path to save outputs (empty: none)"),
+  (("--resume",), "", str, "path of checkpoint"),
+  (("--start-epoch",), 0, int, "start epoch"),
+  (("--world-size",), 1, int, "number of distributed processes (in the EMA's adjustment)"),
+  (("--model-ema-steps",), 32, int, "the number of iterations between EMA updates"),
+  (("--model-ema-decay",), 0.99998, float, "decay factor for the EMA of the model"),
+  (("--clip-grad-norm",), None, float, "the maximum gradient norm"),
+  (("--amp-init-scale",), 2.0**16, float, "the GradScaler's init_scale"),
+  (("--amp-growth-interval",), 2000, int, "the GradScaler's growth_interval"),
+  (("--num-classes",), 10, int, "FakeData classes"),
+  (("--image-size",), 32, int, "FakeData image side"),
+  (("--train-size",), 1024, int, "FakeData training images"),
+  (("--val-size",), 256, int, "FakeData test images"),
+  (("--noise",), 1.0, float, "FakeData noise around the class templates"),
+  (("--seed",), 0, int, "the data's and the initialisation's seed"),
+]
+SWITCHES = [
+  ("--test-only", "Only test the model"),
+  ("--amp", "float16 autocast and a GradScaler"),
+  ("--model-ema", "track an Exponential Moving Average of the model's parameters and buffers"),
+]
+
+
 def get_args_parser(add_help=True):
   """Upstream's flags that the port keeps, with upstream's defaults, and the FakeData sizes."""
   parser = argparse.ArgumentParser(description="JAX Classification Training", add_help=add_help)
-  parser.add_argument("-b", "--batch-size", default=32, type=int, help="images per batch")
-  parser.add_argument(
-    "--epochs", default=90, type=int, metavar="N", help="number of total epochs to run"
-  )
-  parser.add_argument("--opt", default="sgd", type=str, help="optimizer (sgd or sgd_nesterov)")
-  parser.add_argument("--lr", default=0.1, type=float, help="initial learning rate")
-  parser.add_argument("--momentum", default=0.9, type=float, metavar="M", help="momentum")
-  parser.add_argument(
-    "--wd", "--weight-decay", default=1e-4, type=float, metavar="W", dest="weight_decay"
-  )
-  parser.add_argument(
-    "--norm-weight-decay", default=None, type=float, help="weight decay for Normalization layers"
-  )
-  parser.add_argument(
-    "--bias-weight-decay", default=None, type=float, help="weight decay for bias parameters"
-  )
-  parser.add_argument(
-    "--label-smoothing", default=0.0, type=float, help="label smoothing (default: 0.0)"
-  )
-  parser.add_argument(
-    "--lr-scheduler", default="steplr", type=str.lower, help="the lr scheduler (default: steplr)"
-  )
-  parser.add_argument(
-    "--lr-warmup-epochs", default=0, type=int, help="the number of epochs to warmup"
-  )
-  parser.add_argument("--lr-warmup-method", default="constant", type=str, help="the warmup method")
-  parser.add_argument("--lr-warmup-decay", default=0.01, type=float, help="the decay for lr")
-  parser.add_argument(
-    "--lr-step-size", default=30, type=int, help="decrease lr every step-size epochs"
-  )
-  parser.add_argument(
-    "--lr-gamma", default=0.1, type=float, help="decrease lr by a factor of lr-gamma"
-  )
-  parser.add_argument("--lr-min", default=0.0, type=float, help="minimum lr of lr schedule")
-  parser.add_argument("--print-freq", default=10, type=int, help="print frequency")
-  parser.add_argument(
-    "--output-dir", default="", type=str, help="path to save outputs (empty: none)"
-  )
-  parser.add_argument("--resume", default="", type=str, help="path of checkpoint")
-  parser.add_argument("--start-epoch", default=0, type=int, metavar="N", help="start epoch")
-  parser.add_argument("--test-only", action="store_true", help="Only test the model")
-  parser.add_argument("--amp", action="store_true", help="float16 autocast and a GradScaler")
-  parser.add_argument(
-    "--amp-init-scale", default=2.0**16, type=float, help="the GradScaler's init_scale"
-  )
-  parser.add_argument(
-    "--amp-growth-interval", default=2000, type=int, help="the GradScaler's growth_interval"
-  )
-  parser.add_argument(
-    "--world-size", default=1, type=int, help="number of distributed processes (EMA adjust)"
-  )
-  parser.add_argument(
-    "--model-ema", action="store_true", help="track an Exponential Moving Average of the model"
-  )
-  parser.add_argument(
-    "--model-ema-steps", type=int, default=32, help="iterations between EMA updates"
-  )
-  parser.add_argument("--model-ema-decay", type=float, default=0.99998, help="EMA decay factor")
-  parser.add_argument(
-    "--clip-grad-norm", default=None, type=float, help="the maximum gradient norm"
-  )
-  parser.add_argument("--num-classes", default=10, type=int, help="FakeData classes")
-  parser.add_argument("--image-size", default=32, type=int, help="FakeData image side")
-  parser.add_argument("--train-size", default=1024, type=int, help="FakeData training images")
-  parser.add_argument("--val-size", default=256, type=int, help="FakeData test images")
-  parser.add_argument(
-    "--noise", default=1.0, type=float, help="FakeData noise around the class templates"
-  )
-  parser.add_argument(
-    "--seed", default=0, type=int, help="the data's and the initialisation's seed"
-  )
+  for flags, default, kind, text in OPTIONS:
+    parser.add_argument(*flags, default=default, type=kind, help=text)
+  for flag, text in SWITCHES:
+    parser.add_argument(flag, action="store_true", help=text)
   return parser
 
 
