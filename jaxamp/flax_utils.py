@@ -14,14 +14,66 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
+from jaxamp._distributed import _check_bound as check_axis_bound
+from jaxamp._frontends.accumulation import AccumulateGradientsState
 from jaxamp._frontends.fused import apply_scaled_updates
 from jaxamp._frontends.state_access import (
   field_array,
   find_loss_scale_state,
   get_loss_scale,
+  is_loss_scale_state,
+  opt_state_of,
   outliving_donation,
 )
 from jaxamp._torch.scaling import multiply_by_scale
+
+# fp8's scales and amax histories (linen's collection, as nnx.bridge names its variables).
+FP8_STATE = nnx.variable_type_from_name(OVERWRITE_WITH_GRADIENT, allow_register=True)
+
+
+def _holds_scaler(holder: Any) -> bool:
+  leaves = jax.tree.leaves(opt_state_of(holder), is_leaf=is_loss_scale_state)
+  return any(is_loss_scale_state(leaf) for leaf in leaves)
+
+
+def _check_holds_scaler(holder: Any, where: str) -> None:
+  if not _holds_scaler(holder):
+    raise ValueError(
+      f"jaxamp: {where} found no DynamicLossScaleState: wrap the optimizer, "
+      "jaxamp.dynamic_loss_scale(inner); for float32 runs of the same step, "
+      "jaxamp.dynamic_loss_scale(inner, enabled=False) steps as inner alone."
+    )
+  find_loss_scale_state(holder)  # raises for several
+
+
+def scales_loss(opt_state_or_optimizer: Any) -> bool:
+  """Whether a jaxamp scaler scales the loss (Flax's ``if dynamic_scale:``), as a Python bool.
+
+  ``False`` for a disabled one (``enabled=False``: scale 1, no skips, as torch's) or none.
+
+  Args:
+    opt_state_or_optimizer: an ``nnx.Optimizer``, a ``TrainState`` or an optax state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> from jaxamp import flax_utils
+    >>> txs = [jaxamp.dynamic_loss_scale(optax.sgd(0.1), enabled=e) for e in (True, False)]
+    >>> [flax_utils.scales_loss(tx.init(jnp.ones(2))) for tx in [*txs, optax.sgd(0.1)]]
+    [True, False, False]
+  """
+  holds = _holds_scaler(opt_state_or_optimizer)
+  return holds and find_loss_scale_state(opt_state_or_optimizer).config.enabled
+
+
+def _fp8_state_after(new: Any, old: Any, opt_state: Any, grads: Any) -> Any:
+  """fp8's new scales and amax histories, or the old ones after gradients with inf/NaN
+  (a skipped step): an inf in an amax history would hold that scale for 1,024 steps."""
+  scaler = find_loss_scale_state(opt_state)
+  skipped = field_array(scaler.found_inf)
+  if isinstance(opt_state, AccumulateGradientsState) and scaler.config.enabled:
+    finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+    skipped = jnp.where(opt_state.mini_step == 0, skipped, ~finite)  # within a window
+  return jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, old)
 
 
 def _check_loss(loss: Any, has_aux: bool) -> None:
@@ -44,13 +96,10 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
     )
   if jnp.dtype(dtype) == jnp.float16:
     raise TypeError(
-      "jaxamp: the loss is float16. Its gradient starts from the loss scale "
-      "cast to float16, which overflows (float16 max 65504, default "
-      "scale 65536), so every update would be skipped. Compute the loss in "
-      "float32 from float32 values, e.g. "
-      "optax.softmax_cross_entropy_with_integer_labels("
-      "logits.astype(jnp.float32), labels).mean(). Casting the finished "
-      "float16 loss to float32 does not help: its gradient is cast back."
+      "jaxamp: the loss is float16: its gradient starts from the scale cast to float16, which "
+      "overflows (max 65504, default scale 65536), so every update would be skipped. Compute "
+      "it in float32, e.g. optax.softmax_cross_entropy_with_integer_labels(logits.astype("
+      "jnp.float32), labels).mean(); casting the float16 loss does not help (its gradient is cast back)."
     )
 
 
@@ -60,11 +109,9 @@ def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
     return
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
     raise ValueError(
-      "jaxamp: the loss scale is a constant inside this traced step, so it "
-      "would stay frozen at its current value. The optimizer (or TrainState) "
-      "given to scaled_value_and_grad was captured from outside the jitted "
-      "function: pass it to the step as an argument and call "
-      "scaled_value_and_grad inside the step with that argument."
+      "jaxamp: the loss scale is a constant inside this traced step, so it would stay frozen. "
+      "The optimizer (or TrainState) given to scaled_value_and_grad was captured from outside "
+      "the jitted function: pass it to the step as an argument and call it with that."
     )
 
 
@@ -105,6 +152,7 @@ def scaled_value_and_grad(
   *,
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> Callable[..., Any]:
   """``value_and_grad`` of ``fn`` with the loss multiplied by the loss scale.
 
@@ -119,6 +167,8 @@ def scaled_value_and_grad(
     argnums: which positional arguments to differentiate, as in
       ``jax.value_and_grad`` (an ``nnx.DiffState`` is accepted for NNX).
     has_aux: whether ``fn`` returns ``(loss, aux)``.
+    axis_name: under ``pmap`` or ``shard_map``, the axis to average the gradients
+      over (``lax.pmean``, before the unscale, as DDP), as Flax's ``DynamicScale`` does.
 
   Returns:
     A function with ``fn``'s arguments returning ``(loss, grads)``, or
@@ -136,20 +186,15 @@ def scaled_value_and_grad(
     >>> from flax import nnx
     >>> from jaxamp import flax_utils
     >>> model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
-    >>> optimizer = nnx.Optimizer(
-    ...     model, jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0),
-    ...     wrt=nnx.Param)
-    >>> def loss_fn(model, x):
-    ...   return jnp.sum(model(x)) ** 2
-    >>> x = jnp.ones((1, 2))
+    >>> tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    >>> optimizer, x = nnx.Optimizer(model, tx, wrt=nnx.Param), jnp.ones((1, 2))
+    >>> loss_fn = lambda model, x: jnp.sum(model(x)) ** 2
     >>> loss, grads = flax_utils.scaled_value_and_grad(loss_fn, optimizer)(model, x)
-    >>> bool(loss == loss_fn(model, x))
-    True
-    >>> _, unscaled = nnx.value_and_grad(loss_fn)(model, x)
-    >>> bool(jnp.all(grads["kernel"][...] == 8.0 * unscaled["kernel"][...]))
-    True
+    >>> unscaled_loss, unscaled = nnx.value_and_grad(loss_fn)(model, x)
+    >>> bool(loss == unscaled_loss), bool(jnp.all(grads["kernel"][...] == 8 * unscaled["kernel"][...]))
+    (True, True)
   """
-  find_loss_scale_state(opt_state_or_optimizer)  # fail early when there is none
+  _check_holds_scaler(opt_state_or_optimizer, "flax_utils.scaled_value_and_grad")
   is_nnx = isinstance(opt_state_or_optimizer, nnx.Optimizer)
 
   def scaled_fn(*args, **kwargs):
@@ -169,6 +214,9 @@ def scaled_value_and_grad(
   def value_and_scaled_grad(*args, **kwargs):
     _check_scale_is_live(get_loss_scale(opt_state_or_optimizer), (args, kwargs))
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    if axis_name is not None:  # as DynamicScale and torch's DDP: the replicas' mean
+      check_axis_bound((axis_name,) if isinstance(axis_name, str) else axis_name, axis_name)
+      grads = jax.lax.pmean(grads, axis_name)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_scaled_grad
@@ -251,30 +299,40 @@ def update(
     ([0.5, 1.5], 2)
   """
   _check_update_arguments(optimizer, model, grads)
+  _check_holds_scaler(optimizer, "flax_utils.update")
   if kwargs.get("update_scale", True) is not True:
     raise ValueError(
-      "jaxamp: flax_utils.update cannot hold the scale's advance (update_scale=False): "
-      "an nnx.Optimizer stores the state's arrays back into its variables and drops "
-      "the record of the groups stepped, so the next update would not see them. Keep "
-      "the optax state outside the nnx.Optimizer for optimizers that step one after "
-      'the other (docs/optax.md, "Optimizers that step one after the other (a GAN)"). '
-      "Nothing was changed."
+      "jaxamp: flax_utils.update cannot hold the scale's advance (update_scale=False): an "
+      "nnx.Optimizer keeps the state's arrays only, not the record of the groups stepped. Keep "
+      "the optax state outside it for optimizers that step one after the other (docs/optax.md, "
+      '"Optimizers that step one after the other (a GAN)"). Nothing was changed.'
     )
   graph = optimizer.graph
-  param_arrays = nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph))
+  if jax.tree.leaves(nnx.state(model, nnx.All(optimizer.wrt, FP8_STATE), graph=graph)):
+    raise ValueError(
+      "jaxamp: the optimizer's wrt selects fp8 scales and amax histories "
+      f"({OVERWRITE_WITH_GRADIENT} variables), which are not parameters: build it with "
+      "wrt=nnx.Param; flax_utils.update writes them from grads, as linen's TrainState does."
+    )
+  fp8, old_fp8 = (nnx.as_pure(nnx.state(tree, FP8_STATE, graph=graph)) for tree in (grads, model))
   grad_arrays = nnx.as_pure(nnx.state(grads, optimizer.wrt, graph=graph))
-  opt_state_arrays = nnx.as_pure(optimizer.opt_state)
-  new_params, new_opt_state = apply_scaled_updates(
-    optimizer.tx,
-    grad_arrays,
-    opt_state_arrays,
-    param_arrays,
-    axis_name=axis_name,
-    **nnx.as_pure(kwargs),
-  )
-  nnx.update(model, new_params)
-  nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))
-  optimizer.step[...] += 1
+  if scales_loss(optimizer):
+    new_params, new_opt_state = apply_scaled_updates(
+      optimizer.tx,
+      grad_arrays,
+      nnx.as_pure(optimizer.opt_state),
+      nnx.as_pure(nnx.state(model, optimizer.wrt, graph=graph)),
+      axis_name=axis_name,
+      **nnx.as_pure(kwargs),
+    )
+    nnx.update(model, new_params)
+    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=graph))
+    optimizer.step[...] += 1
+  else:  # a disabled scaler: nnx.Optimizer.update's own step, bit for bit
+    optimizer.update(model, grads, **kwargs)
+  if jax.tree.leaves(fp8):
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    nnx.update(model, _fp8_state_after(fp8, old_fp8, opt_state, grad_arrays))
 
 
 def apply_gradients(
@@ -316,13 +374,17 @@ def apply_gradients(
   """
   _check_train_state(state)
   _check_grads_given(grads, "flax_utils.apply_gradients")
+  _check_holds_scaler(state, "flax_utils.apply_gradients")
+  if not scales_loss(state):  # a disabled scaler: TrainState's own step, bit for bit
+    return state.apply_gradients(grads=grads, **kwargs)
   overwrite = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
   grads_with_opt = grads["params"] if overwrite else grads
   params_with_opt = state.params["params"] if overwrite else state.params
-  new_params_with_opt, new_opt_state = apply_scaled_updates(
+  new_params, new_opt_state = apply_scaled_updates(
     state.tx, grads_with_opt, state.opt_state, params_with_opt, axis_name=axis_name
   )
-  new_params = new_params_with_opt
-  if overwrite:
-    new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+  if overwrite:  # fp8's state: not a gradient, written as Flax does unless skipped
+    old, new = state.params[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT]
+    fp8 = _fp8_state_after(new, old, new_opt_state, grads_with_opt)
+    new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: fp8}
   return state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state, **kwargs)
