@@ -1,7 +1,7 @@
 """Flax glue: a loss-scaling ``value_and_grad``, one-call updates, per-step metrics.
 
 Import it as ``from jaxamp import flax_utils`` (``jaxamp`` does not import flax). It works
-inside ``nnx.jit`` and ``jax.jit`` with no host sync; docs/flax.md has the NNX and linen steps.
+inside ``nnx.jit`` and ``jax.jit`` with no host sync: docs/flax.md, docs/precision.md (fp8).
 """
 
 from __future__ import annotations
@@ -176,10 +176,9 @@ def scaled_value_and_grad(
     ``fn``'s dtype; ``grads`` are gradients of ``loss * scale``.
 
   Raises:
-    ValueError: no jaxamp state, or several; a loss that is not a scalar; an
-      optimizer captured from outside the traced step (a frozen scale).
-    TypeError: a loss that is not a floating-point array, or is float16 (its
-      gradient starts from the scale cast to float16, which overflows).
+    ValueError: no jaxamp state, or several; a loss that is not a scalar; an optimizer
+      captured from outside the traced step (a frozen scale); an unbound ``axis_name``.
+    TypeError: a loss that is not a floating-point array, or is float16.
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxamp
@@ -268,7 +267,9 @@ def update(
   """``optimizer.update(model, grads)`` in one :func:`jaxamp.apply_scaled_updates` call.
 
   In place, as ``nnx.Optimizer.update`` (``step`` counts a skipped call too), inside
-  ``nnx.jit``; the updates are never materialised.
+  ``nnx.jit``; the updates are never materialised. fp8's ``_overwrite_with_gradient``
+  variables in ``grads`` (``nnx.bridge``) are written unless skipped. With a disabled
+  scaler (``enabled=False``), this is ``optimizer.update`` itself.
 
   Args:
     optimizer: an ``nnx.Optimizer`` whose ``tx`` holds a
@@ -279,8 +280,8 @@ def update(
     **kwargs: forwarded to ``tx.update``.
 
   Raises:
-    ValueError: no jaxamp state, or its ``tx`` does not check the gradients as
-      given (e.g. ``optax.MultiSteps`` around it).
+    ValueError: no jaxamp state, its ``tx`` does not check the gradients as given
+      (e.g. ``optax.MultiSteps`` around it), or ``wrt`` selects fp8 variables.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -340,8 +341,10 @@ def apply_gradients(
 ) -> Any:
   """``state.apply_gradients(grads=grads)`` in one :func:`jaxamp.apply_scaled_updates` call.
 
-  As ``TrainState.apply_gradients``, with the same skip decisions and fp8's
-  ``OVERWRITE_WITH_GRADIENT``. Donate the state to ``jax.jit`` to update it in place.
+  As ``TrainState.apply_gradients``, with the same skip decisions; fp8's
+  ``OVERWRITE_WITH_GRADIENT`` collection is written as there, but kept on a skipped step.
+  With a disabled scaler (``enabled=False``), this is ``state.apply_gradients`` itself.
+  Donate the state to ``jax.jit`` to update it in place.
 
   Args:
     state: a ``TrainState`` whose ``tx`` holds a

@@ -25,6 +25,7 @@ COVERED_ELSEWHERE = {
   "docs/flax.md": "tests/test_examples.py::test_docs_flax_code_blocks_run",
   "docs/distributed.md": "tests/test_distributed.py::test_distributed_doc_python_examples_run",
   "docs/equinox.md": "tests/test_equinox.py::test_docs_equinox_python_blocks_run",
+  "docs/precision.md": "tests/test_flax_seams.py::test_docs_precision_python_blocks_run",
 }
 RUN_HERE = [
   "docs/quickstart.md",

@@ -431,3 +431,22 @@ def test_scaled_value_and_grad_axis_name_unbound_is_refused():
 
   with pytest.raises(ValueError, match=r"^jaxamp: axis_name='batch' is not bound here"):
     jax.jit(step)(state)
+
+
+# ---------------------------------------------------------------- docs/precision.md
+
+
+@pytest.mark.slow
+def test_docs_precision_python_blocks_run(capsys):
+  from test_docs import DOCS, python_blocks, shown_outputs
+
+  path = DOCS / "precision.md"
+  blocks, shown = python_blocks(path), shown_outputs(path)
+  assert len(blocks) == len(shown) == 3 and all(shown)
+  namespace = {"__name__": "docs_precision"}
+  for number, (block, text) in enumerate(zip(blocks, shown), 1):
+    capsys.readouterr()
+    exec(compile(block, f"docs/precision.md (python block {number})", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out == text, f"python block {number} prints another output"
+  # the fp8 example: the overflowing step skipped, its inf kept out of fp8's state
+  assert "step 1: skipped=True, fp8 state given finite=False, kept finite=True" in shown[2]
