@@ -92,7 +92,7 @@ def _python_blocks(markdown):
 def test_docs_flax_code_blocks_run(capsys):
   docs = (ROOT / "docs" / "flax.md").read_text()
   blocks = _python_blocks(docs)
-  assert len(blocks) == 4
+  assert len(blocks) == 5
   printed = []
   for block in blocks:
     # Running the documented code as written is the test.
@@ -111,6 +111,8 @@ def test_docs_flax_code_blocks_run(capsys):
     "_growth_tracker": 1,
   }
   assert f"```text\n{printed[3]}```" in docs, "the page shows another output than it prints"
+  # one step for float32 and float16: the page shows what it prints
+  assert f"```text\n{printed[4]}```" in docs, "the page shows another output than it prints"
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:
