@@ -10,6 +10,8 @@ the ratio of the time to trace, lower and compile each step.
 
   PYTHONPATH=. python benchmarks/bench_autocast.py
   PYTHONPATH=. python benchmarks/bench_autocast.py --dim 256 --seq 128 --repeats 50
+  PYTHONPATH=.:benchmarks python benchmarks/bench_autocast.py --runs 3 --repeats 60 \
+    --json benchmarks/results/autocast.json
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import results_file
 
 import jaxamp
 
@@ -104,28 +107,8 @@ def params(dim, seed=0):
   return p
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dim", type=int, default=128)
-  parser.add_argument("--seq", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--repeats", type=int, default=30)
-  parser.add_argument("--compiles", type=int, default=5)
-  args = parser.parse_args()
-
-  p = params(args.dim)
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.dim)).astype(np.float32))
-  y = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.dim)).astype(np.float32))
-
-  def auto_loss(p, x, y):
-    return jaxamp.autocast(lambda p, x, y: block(p, x, y, args.heads), policy="cpu")(p, x, y)
-
-  def hand_loss(p, x, y):
-    return block_by_hand(p, x, y, args.heads)
-
-  contenders = {"autocast": auto_loss, "by hand": hand_loss}
+def measure(contenders, p, x, y, args):
+  """One interleaved measurement: compile times, step times, their ratios."""
   compile_times = {name: [] for name in contenders}
   for _ in range(args.compiles):  # interleaved: trace + lower + compile, no cache
     for name, loss in contenders.items():
@@ -153,6 +136,50 @@ def main():
   print(f"runtime ratio autocast / by hand: {med['autocast'] / med['by hand']:.3f}")
   print(f"compile ratio autocast / by hand: {cmed['autocast'] / cmed['by hand']:.3f}")
   print(f"|loss difference|: {loss_diff:.3g}")
+  return {
+    "step_ms": {n: round(med[n] * 1e3, 3) for n in contenders},
+    "compile_s": {n: round(cmed[n], 3) for n in contenders},
+    "runtime_ratio": round(med["autocast"] / med["by hand"], 3),
+    "compile_ratio": round(cmed["autocast"] / cmed["by hand"], 3),
+    "loss_difference": loss_diff,
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dim", type=int, default=128)
+  parser.add_argument("--seq", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--compiles", type=int, default=5)
+  parser.add_argument("--runs", type=int, default=1, help="measurements one after the other")
+  parser.add_argument("--json", help="also write the figures to this results file")
+  args = parser.parse_args()
+
+  p = params(args.dim)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.dim)).astype(np.float32))
+  y = jnp.asarray(rng.standard_normal((args.batch, args.seq, args.dim)).astype(np.float32))
+
+  def auto_loss(p, x, y):
+    return jaxamp.autocast(lambda p, x, y: block(p, x, y, args.heads), policy="cpu")(p, x, y)
+
+  def hand_loss(p, x, y):
+    return block_by_hand(p, x, y, args.heads)
+
+  contenders = {"autocast": auto_loss, "by hand": hand_loss}
+  runs = []
+  for _ in range(args.runs):
+    runs.append(measure(contenders, p, x, y, args))
+  results_file.write(
+    args.json,
+    {
+      "what": "one jitted value_and_grad step of a Transformer block, autocast(policy='cpu') against the same casts by hand",
+      "args": vars(args),
+      "runs": runs,
+    },
+  )
 
 
 if __name__ == "__main__":

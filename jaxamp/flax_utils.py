@@ -96,10 +96,11 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
     )
   if jnp.dtype(dtype) == jnp.float16:
     raise TypeError(
-      "jaxamp: the loss is float16: its gradient starts from the scale cast to float16, which "
-      "overflows (max 65504, default scale 65536), so every update would be skipped. Compute "
-      "it in float32, e.g. optax.softmax_cross_entropy_with_integer_labels(logits.astype("
-      "jnp.float32), labels).mean(); casting the float16 loss does not help (its gradient is cast back)."
+      "jaxamp: the loss is float16; compute it in float32, e.g. optax.softmax_cross_entropy_"
+      "with_integer_labels(logits.astype(jnp.float32), labels).mean(). Its gradient starts "
+      "from the loss scale cast to float16, which is inf at a scale of 65536 or more "
+      "(float16 max 65504, default init_scale 65536): every step at such a scale would be "
+      "skipped. Casting the float16 loss does not help (its gradient is cast back)."
     )
 
 

@@ -253,7 +253,7 @@ NOT_FIGURES = {"command", "hardware", "source", "meta", "args", "what"}
 # Pages whose timings are not jaxamp's speed: the test suite's and the parity report's run times.
 NOT_SPEED_PAGES = {"benchmarks.md", "contributing.md", "parity.md", "underflow.md"}
 # Pages edited elsewhere whose figures still need their <!-- measured: ... --> line.
-AWAITING_RESULTS_FILES = {"autocast.md", "flax.md"}
+AWAITING_RESULTS_FILES = {"autocast.md"}
 
 
 def _results(name: str) -> dict:

@@ -90,6 +90,41 @@ def _cases() -> dict:
     ),
   }
 
+  # Through the public steps (the engine's check gets the parameters), against
+  # plain optax's Adam on the same averaged gradients.
+  adam = jaxamp.dynamic_loss_scale(optax.adam(0.1), axis_name="data")
+  adam_state = adam.init(params)
+  state_specs = jax.tree.map(lambda _: P(), adam_state)
+  plain = optax.adam(0.1)
+  plain_specs = jax.tree.map(lambda _: P(), plain.init(params))
+
+  def public_step(front_end, grads_of):
+    def body(params, opt_state, x):
+      grads = grads_of(params, x)[1]
+      if front_end == "plain":
+        updates, opt_state = plain.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+      grads = jax.tree.map(lambda g: g * opt_state.loss_scale, grads)  # of loss * scale
+      if front_end == "apply_scaled_updates":
+        return jaxamp.apply_scaled_updates(adam, grads, opt_state, params)
+      updates, opt_state = adam.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    specs = plain_specs if front_end == "plain" else state_specs
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    return jax.jit(run)
+
+  expected, _ = public_step("plain", averaged)(params, plain.init(params), x)
+  for front_end in ("apply_scaled_updates", "update"):
+    out[f"{front_end}_forgotten_pmean"] = _error(
+      lambda f=front_end: public_step(f, per_device)(params, adam_state, x)
+    )
+    stepped, _ = public_step(front_end, averaged)(params, adam_state, x)
+    out[f"{front_end}_pmean_max_diff"] = max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(expected))
+    )
+
   # What JAX does with the gradient of a replicated parameter taken inside
   # shard_map (docs/distributed.md): it sums it over the devices itself.
   def inside(params, x):
@@ -157,6 +192,23 @@ def test_shard_map_gradient_of_replicated_params_is_summed_by_jax(seen):
   assert inside["summed"] == pytest.approx(inside["sum_of_shards"], rel=1e-6)
   assert inside["pmean_of_summed"] == inside["summed"]
   assert inside["averaged"] == pytest.approx(inside["mean_of_shards"], rel=1e-6)
+
+
+@pytest.mark.parametrize("front_end", ["apply_scaled_updates", "update"])
+def test_public_steps_refuse_forgotten_pmean_before_jax_does(seen, front_end):
+  # Without the check, JAX refuses the program later, naming jaxamp's internals
+  # (apply_scaled_updates: "cond branches must have equal output types") or the
+  # out_specs (tx.update), never the forgotten pmean.
+  error = seen[f"{front_end}_forgotten_pmean"]
+  assert error is not None and error["type"] == "ValueError"
+  assert error["message"].startswith("jaxamp: average the gradients over the devices")
+
+
+@pytest.mark.parametrize("front_end", ["apply_scaled_updates", "update"])
+def test_public_steps_with_pmean_step_as_plain_adam_on_the_mean_gradient(seen, front_end):
+  # Within an ulp (of values near 1): XLA fuses plain optax's update with the code
+  # around it, a checked one it cannot (docs/optax.md, "At scale 1").
+  assert seen[f"{front_end}_pmean_max_diff"] <= 2**-23
 
 
 if __name__ == "__main__":

@@ -58,3 +58,21 @@ def test_lookahead_around_dynamic_loss_scale_steps_as_plain_lookahead():
   for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_scaled)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
   assert float(jaxamp.get_loss_scale(s_scaled)) == 1.0
+
+
+def test_apply_scaled_updates_with_lookahead_around_the_scaler_names_tx_update():
+  # The right layout, but apply_scaled_updates cannot fuse lookahead's own step:
+  # the message names the call that runs it (the test above shows it steps as optax).
+  tx = optax.lookahead(jaxamp.dynamic_loss_scale(optax.adam(0.1)), 2, 0.5)
+  params = _params()
+  state = tx.init(params)
+  before = [np.asarray(x).copy() for x in jax.tree.leaves((params, state))]
+  with pytest.raises(ValueError) as info:
+    jaxamp.apply_scaled_updates(tx, _grads(0), state, params)
+  first_line = str(info.value).splitlines()[0]
+  assert first_line.startswith("jaxamp.apply_scaled_updates:")
+  assert "optax.lookahead around it" in first_line
+  assert "tx.update(grads, opt_state, params)" in first_line
+  assert "Make dynamic_loss_scale the outermost" not in str(info.value)
+  after = jax.tree.leaves((params, state))
+  assert all(np.array_equal(a, b) for a, b in zip(before, after))

@@ -67,6 +67,12 @@ def _check_sees_grads_as_given(opt_state: Any) -> None:
           "norm). Move them inside the scaler: jaxamp.dynamic_loss_scale(optax.chain(..., inner))."
         )
       node = node[0]
+    elif isinstance(node, optax.LookaheadState):
+      raise ValueError(  # noqa: TRY004
+        f"{_IN_FRONT}optax.lookahead around it steps the fast and slow parameters itself. "
+        "Call updates, opt_state = tx.update(grads, opt_state, params), then "
+        "params = optax.apply_updates(params, updates)."
+      )
     else:
       raise ValueError(
         f"{_IN_FRONT}it is nested in a {type(node).__name__} state. Make dynamic_loss_scale "
@@ -196,7 +202,7 @@ def _fused_step(tx, grads, opt_state, params, extra_args, eager):
   if not config.enabled:  # a disabled scaler checks nothing and never skips
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     return apply_updates(params, updates), new_state
-  check = engine.check(grads, scale_state.loss_scale, config, scale_state)
+  check = engine.check(grads, scale_state.loss_scale, config, scale_state, params)
   labels = None if config.param_labels is None else config.param_labels.of(grads)
 
   def update(params, opt_state, found_inf):

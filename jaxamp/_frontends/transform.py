@@ -96,7 +96,7 @@ def _update(static, grads, state, params, extra_args, checked, injected):
     inner = grouped(dict(inner), config.param_labels, stepped=set(labels))
   if checked is None:
     grads = row_major(grads)  # before the step's loop or cond: see row_major
-    check = engine.check(grads, state.loss_scale, config, state)
+    check = engine.check(grads, state.loss_scale, config, state, params)
   else:
     check = checked.check
 
