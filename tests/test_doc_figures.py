@@ -252,8 +252,6 @@ SPEED = re.compile(
 NOT_FIGURES = {"command", "hardware", "source", "meta", "args", "what"}
 # Pages whose timings are not jaxamp's speed: the test suite's and the parity report's run times.
 NOT_SPEED_PAGES = {"benchmarks.md", "contributing.md", "parity.md", "underflow.md"}
-# Pages edited elsewhere whose figures still need their <!-- measured: ... --> line.
-AWAITING_RESULTS_FILES = {"autocast.md"}
 
 
 def _results(name: str) -> dict:
@@ -345,18 +343,7 @@ def _speed_figure_problems(page: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize(
   "page",
-  [
-    pytest.param(
-      p,
-      marks=pytest.mark.xfail(
-        strict=True, reason="its figures need a <!-- measured: ... --> line and a results file"
-      ),
-    )
-    if p.name in AWAITING_RESULTS_FILES
-    else p
-    for p in PAGES
-    if p.name not in NOT_SPEED_PAGES
-  ],
+  [p for p in PAGES if p.name not in NOT_SPEED_PAGES],
   ids=lambda p: p.name,
 )
 def test_doc_figures_speed_figures_come_from_results_files(page):
