@@ -85,7 +85,14 @@ def test_docs_python_blocks_run_in_order(name, capsys):
 
 
 # Each python block of these states what it prints ("prints:" or "prints nothing.").
-STATE_EVERY_OUTPUT = ["docs/quickstart.md", "docs/grad_scaler.md", "docs/speed.md", "docs/index.md"]
+STATE_EVERY_OUTPUT = [
+  "docs/quickstart.md",
+  "docs/grad_scaler.md",
+  "docs/speed.md",
+  "docs/index.md",
+  "README.md",
+  "docs/protections.md",
+]
 
 
 @pytest.mark.parametrize("name", STATE_EVERY_OUTPUT)

@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import pytest
+from test_docs import shown_outputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "protections.md"]
@@ -22,12 +23,19 @@ def _blocks(text: str, language: str) -> list[str]:
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
-def test_readme_and_guides_python_examples_run(path):
-  blocks = _blocks(path.read_text(), "python")
+def test_readme_and_guides_python_examples_run(path, capsys):
+  blocks, outputs = _blocks(path.read_text(), "python"), shown_outputs(path)
   assert blocks, f"{path.name} has no python example"
-  for block in blocks:
+  assert len(outputs) == len(blocks)
+  for number, (block, shown) in enumerate(zip(blocks, outputs), 1):
+    capsys.readouterr()
     # Running the documented code as written is the test.
     exec(compile(block, str(path), "exec"), {})  # noqa: S102
+    assert shown is not None, f"{path.name}, python block {number}, does not say what it prints"
+    printed = capsys.readouterr().out
+    assert printed == shown, (
+      f"{path.name}, python block {number}, shows another output than it prints"
+    )
 
 
 def test_readme_example_prints_a_moving_scale_and_a_skipped_step(capsys):
