@@ -92,6 +92,7 @@ STATE_EVERY_OUTPUT = [
   "docs/index.md",
   "README.md",
   "docs/protections.md",
+  "docs/equinox.md",
 ]
 
 
