@@ -93,6 +93,7 @@ STATE_EVERY_OUTPUT = [
   "README.md",
   "docs/protections.md",
   "docs/equinox.md",
+  "docs/flax.md",
 ]
 
 

@@ -12,6 +12,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from test_docs import shown_outputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -91,15 +92,20 @@ def _python_blocks(markdown):
 
 def test_docs_flax_code_blocks_run(capsys):
   docs = (ROOT / "docs" / "flax.md").read_text()
-  blocks = _python_blocks(docs)
-  assert len(blocks) == 5
+  blocks, outputs = _python_blocks(docs), shown_outputs(ROOT / "docs" / "flax.md")
+  assert len(blocks) == len(outputs) == 5
   printed = []
-  for block in blocks:
+  for number, (block, shown) in enumerate(zip(blocks, outputs), 1):
+    capsys.readouterr()
     # Running the documented code as written is the test.
     exec(compile(block, "docs/flax.md", "exec"), {})  # noqa: S102
     printed.append(capsys.readouterr().out)
-  # the NNX and linen loops print "<loss> 65536.0 0": three steps at the default scale, none skipped
-  assert [out.split()[1:] for out in printed[1:3]] == [["65536.0", "0"]] * 2
+    assert shown is not None, f"flax.md, python block {number}, does not say what it prints"
+    assert printed[-1] == shown, (
+      f"flax.md, python block {number}, shows another output than it prints"
+    )
+  # the NNX and linen loops: three steps at the default scale, none skipped
+  assert [out.split(", ")[1:] for out in printed[1:3]] == [["scale 65536.0", "skipped 0\n"]] * 2
   # the restored checkpoint: 1024 halved by the skipped step (torch's backoff 0.5),
   # then one clean step of torch's default interval
   restored = ast.literal_eval(printed[3])
@@ -110,9 +116,6 @@ def test_docs_flax_code_blocks_run(capsys):
     "growth_interval": 2000,
     "_growth_tracker": 1,
   }
-  assert f"```text\n{printed[3]}```" in docs, "the page shows another output than it prints"
-  # one step for float32 and float16: the page shows what it prints
-  assert f"```text\n{printed[4]}```" in docs, "the page shows another output than it prints"
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:
