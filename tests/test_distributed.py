@@ -23,6 +23,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_docs import shown_outputs
 
 import jaxamp
 
@@ -513,15 +514,17 @@ def _largest(params):
 
 DOC = ROOT / "docs" / "distributed.md"
 RUN_DOC = (
-  "import re, sys\n"
+  "import contextlib, io, json, re, sys\n"
   "text = open(sys.argv[1]).read()\n"
   "blocks = re.findall(r'```python\\n(.*?)```', text, flags=re.S)\n"
   "assert len(blocks) == 5, len(blocks)\n"
-  "scope = {}\n"
+  "scope, printed = {}, []\n"
   "for block in blocks:\n"
-  "  exec(compile(block, sys.argv[1], 'exec'), scope)\n"
+  "  with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+  "    exec(compile(block, sys.argv[1], 'exec'), scope)\n"
+  "  printed.append(out.getvalue())\n"
   "import jax\n"
-  "print('ran', len(blocks), 'blocks on', jax.device_count(), 'devices')\n"
+  "print(json.dumps({'devices': jax.device_count(), 'printed': printed}))\n"
 )
 
 
@@ -538,7 +541,12 @@ def test_distributed_doc_python_examples_run(count):
     env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}"),
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert proc.stdout.strip() == f"ran 5 blocks on {count} devices"
+  ran = json.loads(proc.stdout)
+  assert ran["devices"] == count
+  # each block prints what the page shows under it, on 1 device and on 8
+  shown = shown_outputs(DOC)
+  assert None not in shown, "a python block of docs/distributed.md does not say what it prints"
+  assert ran["printed"] == shown, "docs/distributed.md shows another output than it prints"
 
 
 # --------------------------------------------------------------------------

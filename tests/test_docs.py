@@ -94,6 +94,7 @@ STATE_EVERY_OUTPUT = [
   "docs/protections.md",
   "docs/equinox.md",
   "docs/flax.md",
+  "docs/distributed.md",
 ]
 
 
