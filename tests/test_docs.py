@@ -95,6 +95,9 @@ STATE_EVERY_OUTPUT = [
   "docs/equinox.md",
   "docs/flax.md",
   "docs/distributed.md",
+  "docs/porting.md",
+  "docs/migrating_from_dynamic_scale.md",
+  "docs/optax.md",
 ]
 
 
