@@ -12,7 +12,6 @@ from jaxamp._hyperparams import (
   check_axis_name,
   check_bound,
   check_flag,
-  check_growth_interval,
   check_scale,
   concrete_int,
   concrete_real,
@@ -146,7 +145,7 @@ def loss_scale_config(*, static: bool = False, **values: Any) -> LossScaleConfig
     raise ValueError(f"The backoff factor must be < 1.0. (jaxamp: got {backoff!r})")
   if backoff is not None and not backoff > 0.0:
     raise ValueError(f"jaxamp: the backoff factor must be > 0.0, got {backoff!r}.")
-  check_growth_interval(config.growth_interval)
+  concrete_int("growth_interval", config.growth_interval, None)  # beyond int32: never grows
   low = check_bound("min_loss_scale", config.min_loss_scale)
   high = check_bound("max_loss_scale", config.max_loss_scale)
   if low is not None and high is not None and low > high:

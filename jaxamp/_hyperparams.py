@@ -114,11 +114,6 @@ def check_factor(name: str, value: Any) -> None:
   concrete_real(name, value)
 
 
-def check_growth_interval(value: Any) -> None:
-  """An int (beyond int32, it never grows, as torch) or an int32-sized int array."""
-  concrete_int("growth_interval", value, None)
-
-
 def check_scale(name: str, value: Any) -> float | None:
   """A loss scale: finite, positive and nonzero in float32 (None when traced)."""
   if value is None:

@@ -15,19 +15,8 @@ from jaxamp._torch.scale_rule import update_loss_scale
 
 
 class LossScaleCore(NamedTuple):
-  """The state of a loss scaler, arrays only (``int32`` counters saturate).
-
-  Attributes:
-    loss_scale: the scale the next loss is multiplied by, float32 ``[]``.
-    growth_tracker: consecutive finite updates since the last growth or
-      backoff, int32 ``[]`` (torch's ``_growth_tracker``).
-    hysteresis_tracker: overflowing updates still tolerated before a backoff,
-      int32 ``[]`` (always 1 with ``hysteresis=1``: torch backs off at once).
-    found_inf: whether the last update found inf/NaN, bool ``[]``.
-    update_count: updates so far, skipped or not, int32 ``[]``.
-    skipped_steps: updates that found inf/NaN, int32 ``[]``.
-    consecutive_skipped_steps: such updates since the last finite one, int32 ``[]``.
-  """
+  """The state of a loss scaler, arrays only: the fields of the same names in
+  :class:`~jaxamp.DynamicLossScaleState`, which describes them (``int32`` counters saturate)."""
 
   loss_scale: jax.Array
   growth_tracker: jax.Array
@@ -71,21 +60,10 @@ def _count_if(condition: jax.Array | bool, counter: jax.Array) -> jax.Array:
 def advance(
   core: LossScaleCore, found_inf: jax.Array, config: LossScaleConfig, *, eager: bool = False
 ) -> LossScaleCore:
-  """The core after one update that found (or did not find) inf/NaN.
-
-  torch's rule (:func:`~jaxamp.ops.update_loss_scale`) with the options::
-
-    back_off = found_inf and hysteresis_tracker <= 1
-    scale, tracker = update_loss_scale(scale, tracker, found_inf)   # torch
-    if found_inf and not back_off: scale = old scale                # absorbed
-    scale = clip(scale, min_loss_scale, max_loss_scale)
-    hysteresis_tracker: refilled to ``hysteresis`` on a growth attempt (on
-      every finite update with ``consecutive_hysteresis``), decremented by an
-      absorbed overflow, kept on a backoff.
-
-  The counters advance; reaching ``max_consecutive_skips`` fails the computation
-  (``eager``: the caller raises with :func:`check_skip_limit` before storing it).
-  """
+  """The core after one update that found (or did not find) inf/NaN: torch's rule
+  (:func:`~jaxamp.ops.update_loss_scale`) with the options, as docs/protections.md,
+  "Semantics" writes it; reaching ``max_consecutive_skips`` fails the computation
+  (``eager``: the caller raises with :func:`check_skip_limit` before storing it)."""
   found_inf = jnp.asarray(found_inf, bool)
   back_off = found_inf & (core.hysteresis_tracker <= 1)
   scale, tracker = update_loss_scale(

@@ -113,14 +113,10 @@ def _add_limbs(a: list, b: list) -> list:
   return limbs
 
 
-def _bit_length(bits):
-  index = jnp.arange(_PRODUCT_BITS, dtype=jnp.int32)
-  return jnp.max(jnp.where(bits != 0, index + 1, 0))
-
-
 def _lsb_shift(bits, exponent, precision, min_exponent):
   """Index of the lowest bit kept at ``precision`` bits, LSB >= 2**min_exponent."""
-  return jnp.maximum(_bit_length(bits) - precision, min_exponent - exponent)
+  bit_length = jnp.max(jnp.where(bits != 0, jnp.arange(_PRODUCT_BITS, dtype=jnp.int32) + 1, 0))
+  return jnp.maximum(bit_length - precision, min_exponent - exponent)
 
 
 def _round_nearest_even(bits, exponent, precision, min_exponent):

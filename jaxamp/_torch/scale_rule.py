@@ -7,7 +7,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxamp._hyperparams import INT32_MAX, INT32_MIN, check_factor, check_growth_interval
+from jaxamp._hyperparams import INT32_MAX, INT32_MIN, check_factor, concrete_int
 from jaxamp._torch.exact import float_bits, multiply_exact_either
 
 
@@ -68,18 +68,11 @@ def update_loss_scale(
 ) -> tuple[jax.Array, jax.Array]:
   """Returns the new ``(loss_scale, growth_tracker)`` after one update.
 
-  Exactly torch's ``_amp_update_scale_`` (docs/torch_semantics.md §3.3)::
-
-    if found_inf:                      # any non-zero value, NaN included
-      scale, tracker = f32(f64(scale) * backoff_factor), 0
-    elif tracker + 1 == growth_interval:   # int32 tracker, wraps at 2**31
-      grown = f32(f64(scale) * growth_factor)
-      scale, tracker = (grown if isfinite(grown) else scale), 0
-    else:
-      tracker = tracker + 1
-
-  The products are rounded as torch's, also in JAX's 32-bit mode; a backoff has
-  no floor (subnormals, zero), and a ``growth_interval`` <= 0 never grows.
+  Exactly torch's ``_amp_update_scale_`` (docs/torch_semantics.md §3.3, in pseudo-code):
+  a found inf/NaN multiplies the scale by ``backoff_factor``, with no floor; the
+  ``growth_interval``-th finite update in a row (the int32 tracker wraps) by
+  ``growth_factor``, unless the product overflows; either resets the tracker. The
+  products are rounded as torch's, also in JAX's 32-bit mode; an interval <= 0 never grows.
 
   Args:
     loss_scale: the current scale, float32 ``[]``.
@@ -104,7 +97,7 @@ def update_loss_scale(
   _check_arguments(loss_scale=loss_scale, growth_tracker=growth_tracker, found_inf=found_inf)
   check_factor("growth_factor", growth_factor)
   check_factor("backoff_factor", backoff_factor)
-  check_growth_interval(growth_interval)
+  concrete_int("growth_interval", growth_interval, None)
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
   growth_tracker = jnp.asarray(growth_tracker, jnp.int32)
   found = _is_nonzero(jnp.asarray(found_inf))
