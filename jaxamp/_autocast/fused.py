@@ -86,14 +86,11 @@ def fused_spans(jaxpr: Any) -> dict[int, Span]:
   calls = [_fused_call(eqn) for eqn in jaxpr.eqns]
   if not any(calls):
     return {}
-  last_read: dict[Any, int] = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
+  last_read: dict[Any, int] = {}  # the outputs are read after the last equation
+  for i, read in enumerate([*(eqn.invars for eqn in jaxpr.eqns), jaxpr.outvars]):
+    for v in read:
       if not isinstance(v, jex_core.Literal):
         last_read[v] = i
-  for v in jaxpr.outvars:
-    if not isinstance(v, jex_core.Literal):
-      last_read[v] = len(jaxpr.eqns)
   spans = {}
   i = 0
   while i < len(calls):

@@ -93,14 +93,12 @@ class Interpreter:
       half = None if span is None else fused_dtype(self, eqns, read)
       if span is not None and half is not None:
         run_fused(self, span, eqns, env, read, half)
-      elif span is not None and span.op in FUSED_NO_LOWER and _lowers(eqns[0], self.mode):
-        off = self.in_mode(OFF)  # float32 inputs: the op in float32, as written
-        for eqn in eqns:
-          outs = off.eval_in_mode(eqn, [read(v) for v in eqn.invars])
-          env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
       else:
+        no_lower = span is not None and span.op in FUSED_NO_LOWER and _lowers(eqns[0], self.mode)
+        # float32 inputs (no_lower): the op in float32, as written
+        evaluate = self.in_mode(OFF).eval_in_mode if no_lower else self.eval_eqn
         for eqn in eqns:
-          outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
+          outs = evaluate(eqn, [read(v) for v in eqn.invars])
           env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
       i += len(eqns)
     return [read(v) for v in jaxpr.outvars]
@@ -193,11 +191,7 @@ class Interpreter:
 
   def traced(self, closed: Any) -> Callable[..., list[Any]]:
     """A function evaluating ``closed`` in a new trace (a fresh cache)."""
-
-    def fn(*args: Any) -> list[Any]:
-      return self.fresh().eval_jaxpr(closed.jaxpr, closed.consts, args)
-
-    return fn
+    return lambda *args: self.fresh().eval_jaxpr(closed.jaxpr, closed.consts, args)
 
 
 def is_array_leaf(x: Any) -> bool:

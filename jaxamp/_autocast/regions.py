@@ -26,12 +26,8 @@ def autocast(
   """``fn`` with torch's autocast op policy: matmuls and convolutions in ``dtype``.
 
   ``fn`` is plain float32 JAX code (a function, a Flax NNX module, a linen ``apply``),
-  traced and evaluated equation by equation: matmuls and convs in ``dtype``, the
-  primitives of torch's float32 list for ``policy`` in float32, torch's fused ops
-  (softmax, GELU, layer norm, ...) in float32 rounded once, every other primitive in
-  the dtypes its inputs arrive in, promoted as torch promotes. Parameters stay
-  float32. Regions nest as torch's contexts do, the innermost deciding. The policy,
-  the torch-to-primitive table and what differs from torch: ``docs/autocast.md``.
+  traced and evaluated equation by equation; parameters stay float32. The policy, fused
+  ops, promotion, nested regions and what differs from torch: ``docs/autocast.md``.
 
   Args:
     fn: the function; its array arguments (leaves of any pytree) are traced,
