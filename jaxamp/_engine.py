@@ -72,20 +72,15 @@ def skipped_state(inner_state: Any, schedule_counts: str, applied: Callable[[], 
   return with_hyperparams_of(state, applied()) if has_injected_hyperparams(state) else state
 
 
-def _like(value: jax.Array, template: Any) -> jax.Array:
-  """``value`` marked as varying over the same ``shard_map`` axes as ``template``."""
-  missing = tuple(sorted(varying_axes(template) - varying_axes(value)))
-  return lax.pcast(value, missing, to="varying") if missing else value
-
-
 def typed_like(value: Any, template: Any) -> Any:
   """``value`` (a tree) with ``template``'s dtypes and ``shard_map`` variance, as both
   branches must return (an optimizer may widen its state on its first update)."""
-  return jax.tree.map(lambda x, t: _like(x.astype(t.dtype), t), value, template)
 
+  def like(x: jax.Array, t: Any) -> jax.Array:
+    missing = tuple(sorted(varying_axes(t) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
-def _typeof(x: Any) -> Any:
-  return jax.typeof(x) if is_array_leaf(x) else x  # an Equinox module's function: itself
+  return jax.tree.map(lambda x, t: like(x.astype(t.dtype), t), value, template)
 
 
 def _on_arrays(fn: Callable[..., Any], operands: tuple, static_out: list):
@@ -130,7 +125,8 @@ def with_output_types(apply: Callable[..., Any]) -> tuple[Callable[..., Any], Ca
 
   def traced_apply(*operands):
     out = apply(*operands)
-    seen.append(jax.tree.map(_typeof, out))
+    # an Equinox module's function is its own type
+    seen.append(jax.tree.map(lambda x: jax.typeof(x) if is_array_leaf(x) else x, out))
     return out
 
   def output_types(*operands):

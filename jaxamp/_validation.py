@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from typing import Any
 
@@ -106,12 +107,8 @@ def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
   candidates += [[True] * len(grad_leaves), has_grad]
   for mask in candidates:
     if sum(mask) == n_flags and all(m for m, g in zip(mask, has_grad) if g):
-      slots, index = [], 0
-      for m, g in zip(mask, has_grad):
-        if g:
-          slots.append(index)
-        index += m
-      return tuple(slots)
+      starts = itertools.accumulate(mask, initial=0)  # each leaf's index among the masked
+      return tuple(index for index, g in zip(starts, has_grad) if g)
   count, missing = sum(has_grad), len(has_grad) - sum(has_grad)
   nones = f" and {missing} None" if missing else ""
   raise ValueError(
