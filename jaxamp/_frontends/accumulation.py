@@ -74,13 +74,11 @@ def within_window(state: AccumulateGradientsState, total: Any) -> AccumulateGrad
 def accumulate_gradients(inner: optax.GradientTransformation, every_k: int) -> AccumulateGradients:
   """Sums the gradients of ``every_k`` calls and passes the sum to ``inner`` on the last.
 
-  torch's accumulation (docs/optax.md): around :func:`~jaxamp.dynamic_loss_scale`
-  the scale is fixed within a window and a window with inf/NaN is skipped. It
-  sums (divide the loss by ``every_k``) and restarts from zeros, unlike
-  ``optax.MultiSteps``; calls within a window return zero updates.
-  ``update(..., end_window=True)`` (a bool, or a traced bool scalar) makes
-  this call its window's last, as torch's ``step()`` after fewer
-  micro-batches (an epoch's shorter last window).
+  torch's accumulation (docs/optax.md): around :func:`~jaxamp.dynamic_loss_scale` the scale
+  is fixed within a window and a window with inf/NaN is skipped. It sums (divide the loss by
+  ``every_k``) and restarts from zeros, unlike ``optax.MultiSteps``; calls within a window
+  return zero updates. ``update(..., end_window=True)`` (a bool, or a traced bool scalar)
+  ends the window early, as torch's ``step()`` after fewer micro-batches.
 
   Args:
     inner: the transformation run once per window on the summed gradients.

@@ -68,7 +68,7 @@ def _check_sees_grads_as_given(opt_state: Any) -> None:
         )
       node = node[0]
     elif isinstance(node, optax.LookaheadState):
-      raise ValueError(  # noqa: TRY004
+      raise ValueError(
         f"{_IN_FRONT}optax.lookahead around it steps the fast and slow parameters itself. "
         "Call updates, opt_state = tx.update(grads, opt_state, params), then "
         "params = optax.apply_updates(params, updates)."
@@ -91,13 +91,8 @@ def apply_scaled_updates(
 ) -> tuple[Any, optax.OptState]:
   """``tx.update`` and ``optax.apply_updates`` in one call, skipped as a whole on inf/NaN.
 
-  Computes what this computes::
-
-    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-    params = optax.apply_updates(params, updates)
-
-  The loss-scale state and every skip decision are bit-identical to it, params and
-  the inner state to the last bits; one ``lax.cond`` runs it all (docs/speed.md).
+  The loss-scale state and every skip decision are bit-identical to those two calls,
+  params and the inner state to the last bits; one ``lax.cond`` runs it all (docs/speed.md).
   ``tx`` holds a :func:`dynamic_loss_scale` that receives ``grads`` unchanged (bare,
   inside ``optax.inject_hyperparams``, or first in ``optax.chain``), possibly under an
   outermost :func:`accumulate_gradients`. Donate ``params`` and ``opt_state`` in the

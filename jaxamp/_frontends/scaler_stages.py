@@ -1,12 +1,7 @@
 """A ``GradScaler`` iteration's bookkeeping, from ``scale()`` to ``update()``.
 
-torch's per-optimizer stages and its messages (docs/torch_semantics.md §2, §4),
-and the one thread an iteration belongs to::
-
-             unscale_()              step()  [applies the update iff own found_inf == 0]
-    READY ─────────────► UNSCALED ─────────────► STEPPED
-      └──────────── step() (implicit unscale_) ────────┘
-    update() combines every recorded found_inf into one backoff and resets all to READY
+torch's per-optimizer stages (READY, UNSCALED, STEPPED; docs/torch_semantics.md §2) and
+its messages (§4), and the one thread an iteration belongs to.
 """
 
 from __future__ import annotations

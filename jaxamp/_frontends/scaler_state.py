@@ -86,20 +86,17 @@ class ScalerState:
     ``schedule_counts`` defaults to torch's ``"iterations"``.
 
     Args:
-      device: torch.amp's device string (``"cuda"``, ``"cpu"``, ``"xpu"``, ...), accepted
-        and ignored: JAX places the arrays (and ``"cuda"`` does not disable the scaler on
-        a machine without CUDA, as torch's does). A number in its place is
-        torch.cuda.amp's positional form, ``GradScaler(init_scale, growth_factor,
-        backoff_factor, growth_interval, enabled)``.
+      device: torch.amp's device string (``"cuda"``, ``"cpu"``, ...), ignored: JAX places
+        the arrays (``"cuda"`` does not disable it without CUDA, as torch's does). A number
+        in its place is torch.cuda.amp's positional form (docs/grad_scaler.md).
       init_scale: the initial scale (a finite positive float32 number).
       growth_factor: multiplies the scale after ``growth_interval`` consecutive finite
         steps (> 1). Python numbers are applied exactly as float64, as torch.
       backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
       growth_interval: consecutive finite steps before growing (an int; zero or less never
         grows, as in torch).
-      enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, nothing is
-        checked or skipped, the gradients reach the optimizer as given, and the other
-        options are neither used nor checked.
+      enabled: ``False`` behaves as torch's disabled scaler: scale 1, nothing checked or
+        skipped, the gradients passed on as given, the other options unused and unchecked.
       min_loss_scale: (not in torch) the scale never backs off below this.
       max_loss_scale: (not in torch) the scale never grows above this.
       hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a
@@ -107,18 +104,13 @@ class ScalerState:
       consecutive_hysteresis: (not in torch) DeepSpeed's variant of ``hysteresis``: every
         finite step refills it, not only a growth attempt.
       max_consecutive_skips: (not in torch) this many skipped steps in a row fail the
-        jitted step, or are a ``checkify`` error when the step is checkified
-        (docs/protections.md).
+        jitted step, or are a ``checkify`` error (docs/protections.md).
       detect_unscale_overflow: (not in torch) also skip when unscaling itself overflows
         (docs/torch_semantics.md §3.2).
       schedule_counts: ``"iterations"`` (torch's way, ``GradScaler``'s default): a skipped
-        step still advances the schedules in the optimizer's state
-        (``optax.scale_by_schedule``, hence a schedule given as a learning rate, and
-        ``inject_hyperparams``), as torch's ``LRScheduler.step()`` runs every iteration,
-        while the optimizer's own counts (Adam's) stay. ``"applied"`` (optax's way,
-        ``dynamic_loss_scale``'s default): a skipped step leaves the inner state
-        untouched, schedules included, so a schedule counts applied updates
-        (docs/porting.md, "Schedules").
+        step still advances the schedules' counts in the optimizer's state, and nothing else;
+        ``"applied"`` (optax's way, ``dynamic_loss_scale``'s default): it leaves the inner
+        state untouched (docs/porting.md, "Schedules").
 
     Raises:
       TypeError, ValueError: a hyperparameter of the wrong kind or out of range

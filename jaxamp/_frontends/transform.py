@@ -169,13 +169,10 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
-  Multiply the loss by ``get_loss_scale(opt_state)`` (or use :func:`scale_loss`) and
-  pass the gradients of the *scaled* loss to ``update``: each update is one torch
-  iteration (docs/torch_semantics.md), jitted, with no host sync; a skipped one leaves
-  the inner state bit-identical. Transformations inside ``inner`` see unscaled
-  gradients (docs/optax.md). ``update(..., update_scale=False)`` is torch's
-  ``scaler.step(opt)`` without ``scaler.update()`` (docs/optax.md, "Optimizers that
-  step one after the other (a GAN)").
+  Pass ``update`` the gradients of the loss times the scale (:func:`scale_loss`): each
+  update is one torch iteration (docs/torch_semantics.md), jitted, with no host sync.
+  ``inner`` sees unscaled gradients; ``update(..., update_scale=False)`` is torch's
+  ``scaler.step(opt)`` without ``scaler.update()`` (docs/optax.md).
 
   Args:
     inner: the optimizer to run on unscaled gradients; with ``param_labels``,
@@ -186,13 +183,10 @@ def dynamic_loss_scale(
     backoff_factor: multiplies the scale on a step with inf/NaN (0 < x < 1).
     growth_interval: consecutive finite steps before growing (an int; zero or less never
       grows, as in torch).
-    enabled: ``False`` behaves as torch's disabled scaler: the scale is 1, nothing is
-      checked or skipped, the gradients reach the optimizer as given, and the other
-      options are neither used nor checked.
-    axis_name: under ``jax.shard_map`` (or ``pmap``) with per-device gradients, the
-      mapped axis (or axes) over which the finiteness flag is all-reduced, so every
-      device skips the same steps, as torch all-reduces ``found_inf``
-      (docs/distributed.md).
+    enabled: ``False`` behaves as torch's disabled scaler: scale 1, nothing checked or
+      skipped, the gradients passed on as given, the other options unused and unchecked.
+    axis_name: under ``jax.shard_map`` (or ``pmap``), the mapped axis (or axes) over which
+      ``found_inf`` is all-reduced, so every device skips the same steps (docs/distributed.md).
     min_loss_scale: (not in torch) the scale never backs off below this.
     max_loss_scale: (not in torch) the scale never grows above this.
     hysteresis: (not in torch; DeepSpeed, Megatron) overflowing steps tolerated before a
@@ -200,23 +194,16 @@ def dynamic_loss_scale(
     consecutive_hysteresis: (not in torch) DeepSpeed's variant of ``hysteresis``: every
       finite step refills it, not only a growth attempt.
     max_consecutive_skips: (not in torch) this many skipped steps in a row fail the
-      jitted step, or are a ``checkify`` error when the step is checkified
-      (docs/protections.md).
+      jitted step, or are a ``checkify`` error (docs/protections.md).
     detect_unscale_overflow: (not in torch) also skip when unscaling itself overflows
       (docs/torch_semantics.md §3.2).
     schedule_counts: ``"iterations"`` (torch's way, ``GradScaler``'s default): a skipped
-      step still advances the schedules in the optimizer's state
-      (``optax.scale_by_schedule``, hence a schedule given as a learning rate, and
-      ``inject_hyperparams``), as torch's ``LRScheduler.step()`` runs every iteration,
-      while the optimizer's own counts (Adam's) stay. ``"applied"`` (optax's way,
-      ``dynamic_loss_scale``'s default): a skipped step leaves the inner state
-      untouched, schedules included, so a schedule counts applied updates
-      (docs/porting.md, "Schedules").
-    param_labels: torch's several optimizers with one scaler: a tree of labels like the
-      params (or a function of the gradients giving one), as ``optax.multi_transform``
-      takes it, with ``inner`` a ``{label: optimizer}``. A group is skipped only when
-      its own gradients hold inf/NaN; the scale backs off once per step whichever groups
-      did.
+      step still advances the schedules' counts in the optimizer's state, and nothing else;
+      ``"applied"`` (optax's way, ``dynamic_loss_scale``'s default): it leaves the inner
+      state untouched (docs/porting.md, "Schedules").
+    param_labels: torch's several optimizers with one scaler: labels as
+      ``optax.multi_transform`` takes them, with ``inner`` a ``{label: optimizer}``; a group
+      skips only on its own inf/NaN, the scale backs off once per step (docs/optax.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
