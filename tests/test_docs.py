@@ -98,6 +98,7 @@ STATE_EVERY_OUTPUT = [
   "docs/porting.md",
   "docs/migrating_from_dynamic_scale.md",
   "docs/optax.md",
+  "docs/autocast.md",
 ]
 
 
