@@ -104,9 +104,12 @@ class GradScaler(ScalerState):
     scaler._scaled = True
     return scaler
 
-  def _check_scaled(self, funcname: str) -> None:
+  def _begin(self, funcname: str, values: Any) -> None:
+    """The checks before ``unscale_``, ``step`` and ``update`` (``values``: their arrays)."""
+    stages.claim(self, funcname)
     if not self._scaled:
       raise RuntimeError(stages.NOT_SCALED.format(funcname))
+    self._check_not_captured(funcname, values)
 
   def _check_not_captured(self, funcname: str, values: Any) -> None:
     """Raises if ``values`` are traced but the scaler is not: captured from outside."""
@@ -199,9 +202,7 @@ class GradScaler(ScalerState):
     if not self._enabled:
       return
     key = key_of(optimizer)
-    stages.claim(self, "unscale_")
-    self._check_scaled("unscale_")
-    self._check_not_captured("unscale_", optimizer.grads)
+    self._begin("unscale_", optimizer.grads)
     stage = self._states.get(key, stages.READY).stage
     if stage is Stage.UNSCALED:
       raise RuntimeError(stages.UNSCALE_TWICE)
@@ -235,9 +236,7 @@ class GradScaler(ScalerState):
     if "closure" in extra_args:
       raise RuntimeError(stages.CLOSURE)
     key = key_of(optimizer)
-    stages.claim(self, "step")
-    self._check_scaled("step")
-    self._check_not_captured("step", (optimizer.grads, optimizer.params))
+    self._begin("step", (optimizer.grads, optimizer.params))
     record = self._states.get(key, stages.READY)
     if record.stage is Stage.STEPPED:
       raise RuntimeError(stages.STEP_TWICE)
@@ -278,9 +277,7 @@ class GradScaler(ScalerState):
     """
     if not self._enabled:
       return
-    stages.claim(self, "update")
-    self._check_scaled("update")
-    self._check_not_captured("update", ([r.found_inf for r in self._states.values()], new_scale))
+    self._begin("update", ([r.found_inf for r in self._states.values()], new_scale))
     if new_scale is not None:
       self._core = self._core._replace(loss_scale=check_new_scale(new_scale))
     else:
