@@ -94,6 +94,14 @@ def check_same_structure(grads: Any, params: Any) -> None:
       )
 
 
+def checked_gradients(grads: Any, params: Any) -> Any:
+  """``grads`` :func:`none_expanded`, then checked: float leaves shaped like ``params``."""
+  grads = none_expanded(grads, params)
+  check_float_gradients(grads)
+  check_same_structure(grads, params)
+  return grads
+
+
 def flag_slots(grads: Any, params: Any, n_flags: int) -> tuple[int, ...]:
   """Each array leaf's index in ``nonfinite_leaves``: the first of ``params``' leaves, its
   array leaves, ``grads``' positions or its arrays that has ``n_flags`` (else ValueError)."""

@@ -16,17 +16,11 @@ from jaxamp._frontends.accumulation import (
   at_window_end,
   within_window,
 )
-from jaxamp._frontends.state_access import INJECT_STATES, find_loss_scale_state, is_loss_scale_state
+from jaxamp._frontends.state_access import find_loss_scale_state, is_loss_scale_state
 from jaxamp._frontends.transform import CheckedState, DynamicLossScaleState, core_of
 from jaxamp._torch.core import check_skip_limit
-from jaxamp._validation import (
-  apply_updates,
-  arrays_only,
-  check_float_gradients,
-  check_same_structure,
-  none_expanded,
-  with_non_arrays,
-)
+from jaxamp._torch.schedules import INJECT_STATES
+from jaxamp._validation import apply_updates, arrays_only, checked_gradients, with_non_arrays
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.fma_guard import rounded_updates
 from jaxamp._xla.layout import row_major
@@ -153,9 +147,7 @@ def apply_scaled_updates(
       "jaxamp.apply_scaled_updates: the gradient tree does not match the parameter tree: "
       "grads is None. Pass gradients shaped like params (None leaves for frozen ones)."
     )
-  grads = none_expanded(grads, params)
-  check_float_gradients(grads)
-  check_same_structure(grads, params)
+  grads = checked_gradients(grads, params)
   if "end_window" in extra_args and not isinstance(opt_state, AccumulateGradientsState):
     raise TypeError(
       "jaxamp.apply_scaled_updates: end_window ends a jaxamp.accumulate_gradients window, "

@@ -15,13 +15,7 @@ from jaxamp._engine import Check
 from jaxamp._frontends.serialization import register_with_flax
 from jaxamp._torch.core import LossScaleCore, advance, check_skip_limit, init_core
 from jaxamp._torch.groups import ParamLabels, SteppedGroups, check_steps, grouped
-from jaxamp._validation import (
-  check_float_gradients,
-  check_same_structure,
-  flag_slots,
-  none_expanded,
-  set_flags,
-)
+from jaxamp._validation import check_same_structure, checked_gradients, flag_slots, set_flags
 from jaxamp._xla.compile_cache import call_compiled, traced
 from jaxamp._xla.layout import row_major
 
@@ -269,9 +263,7 @@ def dynamic_loss_scale(
         "jaxamp: end_window ends a jaxamp.accumulate_gradients window, and this "
         "dynamic_loss_scale is not inside one: jaxamp.accumulate_gradients(tx, every_k)."
       )
-    updates = none_expanded(updates, params)
-    check_float_gradients(updates)
-    check_same_structure(updates, params)
+    updates = checked_gradients(updates, params)
     step_labels = None if labels is None else labels.of(updates)
     stepping = check_steps(state.stepped_groups, step_labels, update_scale, labels is not None)
     if not config.enabled:  # torch's disabled scaler: each step() is the optimizer's own
