@@ -12,7 +12,6 @@ import numpy as np
 
 from jaxamp._config import INJECTED
 from jaxamp._frontends.state_access import (
-  INJECT_STATES,
   field_array,
   find_loss_scale_state,
   is_loss_scale_state,
@@ -21,6 +20,7 @@ from jaxamp._frontends.state_access import (
 from jaxamp._frontends.transform import DynamicLossScaleState
 from jaxamp._hyperparams import FLOAT_OVERFLOW_MESSAGE, FLT_MAX, INT32_MAX, INT32_MIN, check_scale
 from jaxamp._torch.core import int32_array, scale_array
+from jaxamp._torch.schedules import INJECT_STATES
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 HYPERPARAMETERS = ("growth_factor", "backoff_factor", "growth_interval")

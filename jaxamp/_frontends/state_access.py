@@ -14,9 +14,6 @@ from jaxamp._frontends.transform import DynamicLossScaleState
 from jaxamp._torch.scaling import multiply_by_scale
 from jaxamp._validation import flagged_paths
 
-# The optax wrappers that hold a transformation's state as their inner_state.
-INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-
 
 def is_loss_scale_state(x: Any) -> bool:
   return isinstance(x, DynamicLossScaleState)

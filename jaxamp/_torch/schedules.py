@@ -10,14 +10,11 @@ import optax
 
 # The state of the stateful schedule inject_hyperparams wraps a schedule in.
 _WRAPPED_SCHEDULE_STATE = type(optax.WrappedSchedule(lambda count: count).init())
+# The optax wrappers that hold a transformation's state as their inner_state.
+INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 # The optax states whose ``count`` drives a schedule (not an optimizer's own
 # count, such as Adam's bias correction).
-SCHEDULE_STATES = (
-  optax.ScaleByScheduleState,
-  _WRAPPED_SCHEDULE_STATE,
-  optax.InjectHyperparamsState,
-  optax.InjectStatefulHyperparamsState,
-)
+SCHEDULE_STATES = (optax.ScaleByScheduleState, _WRAPPED_SCHEDULE_STATE, *INJECT_STATES)
 
 
 def _is_schedule_state(x: Any) -> bool:
@@ -45,11 +42,8 @@ def _advanced(node: Any) -> Any:
   )
 
 
-_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-
-
 def _is_injected(x: Any) -> bool:
-  return isinstance(x, _INJECTED)
+  return isinstance(x, INJECT_STATES)
 
 
 def with_hyperparams_of(skipped: Any, applied: Any) -> Any:
