@@ -117,16 +117,13 @@ def _check_scale_is_live(scale: jax.Array, args: Sequence[Any]) -> None:
 
 
 def _check_update_arguments(optimizer: Any, model: Any, grads: Any) -> None:
-  if not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError(
-      f"jaxamp: flax_utils.update takes an nnx.Optimizer first, got {type(optimizer).__name__}; "
-      "call it as flax_utils.update(optimizer, model, grads)."
-    )
-  if not isinstance(model, nnx.Module):
-    raise TypeError(
-      f"jaxamp: flax_utils.update takes the nnx.Module second, got {type(model).__name__}; "
-      "call it as flax_utils.update(optimizer, model, grads)."
-    )
+  places = {nnx.Optimizer: "an nnx.Optimizer first", nnx.Module: "the nnx.Module second"}
+  for (kind, place), value in zip(places.items(), (optimizer, model)):
+    if not isinstance(value, kind):
+      raise TypeError(
+        f"jaxamp: flax_utils.update takes {place}, got {type(value).__name__}; "
+        "call it as flax_utils.update(optimizer, model, grads)."
+      )
   _check_grads_given(grads, "flax_utils.update")
 
 

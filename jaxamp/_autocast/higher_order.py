@@ -122,10 +122,9 @@ def _cond(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
 
 def _remat(interp: Interpreter, eqn: Any, args: list[Any]) -> list[Any]:
   p = eqn.params
-  jaxpr = p["jaxpr"]
 
   def fn(*a: Any) -> list[Any]:
-    return interp.fresh().eval_jaxpr(jaxpr, [], a)
+    return interp.fresh().eval_jaxpr(p["jaxpr"], [], a)
 
   return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*args)
 
