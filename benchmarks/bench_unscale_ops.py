@@ -7,7 +7,7 @@ process; ratios to plain ``optax.adam`` + ``apply_updates``:
   check+cond      ``all_finite(grads)``, then Adam inside a ``lax.cond``
   + multiply      the same, Adam fed ``grads * (1 / scale)``
   + exact unscale torch's ``inv_scale`` and its two normal factors (``unscale_by``)
-  + rounding      the unscaled grads and the updates kept rounded (``rounded``)
+  + rounding      the unscaled grads and the updates kept rounded (``_xla/fma_guard.py``)
   jaxamp          ``jaxamp.apply_scaled_updates`` (the above plus the loss-scale core)
 
   PYTHONPATH=. python benchmarks/bench_unscale_ops.py --mix lognormal/25m/200
@@ -27,7 +27,8 @@ from jax import lax
 
 import jaxamp
 from benchmarks.model_shapes import MIXES, describe
-from jaxamp._torch.unscale import inverse_parts, rounded, runtime_zero, unscale_by
+from jaxamp._torch.unscale import inverse_parts, unscale_by
+from jaxamp._xla.fma_guard import rounded_unscaled, rounded_updates
 
 ADAM = optax.adam(1e-3)
 
@@ -65,12 +66,11 @@ def exact_unscale(p, s, g, scale):
 
 
 def with_rounding(p, s, g, scale):
-  parts, zero = inverse_parts(scale), runtime_zero(scale)
+  parts = inverse_parts(scale)
 
   def apply(p, s, g):
-    unscaled = [rounded(x, zero) for x in unscale_by(g, parts)]
-    updates, s = ADAM.update(unscaled, s, p)
-    return optax.apply_updates(p, [rounded(u, zero * 2) for u in updates]), s
+    updates, s = ADAM.update(rounded_unscaled(unscale_by(g, parts), scale), s, p)
+    return optax.apply_updates(p, rounded_updates(updates, scale)), s
 
   return lax.cond(jaxamp.ops.all_finite(g), apply, skip, p, s, g)
 

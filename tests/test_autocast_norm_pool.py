@@ -2,11 +2,12 @@
 (docs/autocast.md, "Batch norm and average pooling").
 
 torch's ``batch_norm`` and pools are on no autocast list: a half input gives a half
-output, the float32 weights and running statistics stay float32. jaxamp runs a
-batch norm primitive by primitive, so its float32 scale and bias promote the output
-to float32; Flax's squares a float16 activation in float16 under ``policy="cpu"``.
-Flax's ``avg_pool`` rounds at each add of the window and at the division, where
-torch's kernel rounds once. These tests hold the page to what torch and jaxamp do.
+output, computed in float32 and rounded once; the float32 weights and running
+statistics stay float32. jaxamp runs Flax's and Equinox's ``BatchNorm`` as one fused
+op, the same way; a batch norm written out runs primitive by primitive, so its float32
+scale and bias promote the output to float32. Flax's ``avg_pool`` rounds at each add
+of the window and at the division, where torch's kernel rounds once. These tests hold
+the page to what torch and jaxamp do.
 """
 
 from __future__ import annotations
@@ -114,39 +115,53 @@ def test_batch_norm_dtypes_against_torch(lib, inputs, half, policy):
   theirs, theirs_stats = torch_batch_norm_dtypes(inputs, half, policy)
   # torch: the input's dtype out, float32 statistics
   assert (theirs, theirs_stats) == (inputs if inputs == "float32" else half, "float32")
-  # jaxamp: float32 out in every case (the documented difference for half inputs),
-  # float32 running statistics (a written-out batch norm has none)
-  assert _name(y.dtype) == "float32"
+  # jaxamp: the libraries' layers as torch's; written out, the float32 scale and bias
+  # promote the output to float32 (the documented difference); float32 running
+  # statistics (a written-out batch norm has none)
+  assert _name(y.dtype) == ("float32" if lib == "written_out" else theirs)
   assert lib == "written_out" or _name(running_var.dtype) == "float32"
 
 
 def _torch_batch_norm(x, dtype):
-  """torch's BatchNorm2d in training mode on ``x`` (NHWC) cast to ``dtype``, as float32."""
+  """torch's BatchNorm2d in training mode on ``x`` (NHWC) cast to ``dtype``: the output
+  as float32 (NHWC) and the running variance."""
   module = torch.nn.BatchNorm2d(C)
   with torch.autocast("cpu", dtype):
     y = module(torch.tensor(np.asarray(x)).permute(0, 3, 1, 2).to(dtype))
+  assert y.dtype == dtype
   return y.detach().float().permute(0, 2, 3, 1).numpy(), module.running_var.numpy()
 
 
-@pytest.mark.parametrize("lib", ["linen", "nnx"])
-def test_flax_batch_norm_of_large_float16_activations_under_the_cpu_policy(lib):
-  x = _images(scale=300.0)  # |x| above 256: x * x is inf in float16
-  theirs, theirs_var = _torch_batch_norm(x, torch.float16)
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+@pytest.mark.parametrize("half", sorted(HALVES))
+@pytest.mark.parametrize("lib", ["linen", "nnx", "equinox"])
+def test_library_batch_norm_values_against_torch(lib, half, policy):
+  jdtype, tdtype = HALVES[half]
+  # activations of magnitude 300: x * x overflows float16, as Flax's fast variance
+  # would square them if run primitive by primitive in the half dtype
+  x = _images(scale=300.0).astype(jdtype).astype(jnp.float32)
+  theirs, theirs_var = _torch_batch_norm(x, tdtype)
   assert np.isfinite(theirs).all() and np.isfinite(theirs_var).all()
   batch_norm, params = _batch_norm(lib)
-  fn = _after_matmul(batch_norm, "half")
-  y, var = jaxamp.autocast(fn, policy="cpu")(params, x)
-  # every channel has such an activation: its variance is inf, its output 0, no error
-  assert bool(jnp.isinf(var).all()) and bool((y == 0).all())
-  # the CUDA policy squares in float32, and autocast_disabled runs the layer in
-  # float32: torch's values within one float16 rounding of torch's half output
-  for run in (
-    jaxamp.autocast(fn, policy="cuda"),
-    jaxamp.autocast(lambda p, x: jaxamp.autocast_disabled(batch_norm)(p, x @ jnp.eye(C))),
-  ):
-    y, _ = run(params, x)
-    assert y.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), theirs, rtol=2**-11, atol=2**-14)
+  y, var = jaxamp.autocast(_after_matmul(batch_norm, "half"), jdtype, policy=policy)(params, x)
+  assert y.dtype == jdtype and var.dtype == jnp.float32
+  assert bool(jnp.isfinite(var).all())
+  # computed in float32 and rounded once, as torch: within one rounding of torch's
+  # half output (their float32 sums differ in order)
+  ulp = 2.0 ** -jnp.finfo(jdtype).nmant
+  np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), theirs, rtol=ulp, atol=ulp)
+
+
+def test_fast_variance_written_out_overflows_float16_under_the_cpu_policy():
+  # the control for the test above: the arithmetic of Flax's fast variance, written
+  # out, runs primitive by primitive in float16 and squares 300 to inf
+  x = _images(scale=300.0)
+
+  def fast_variance(x):
+    h = x @ jnp.eye(C)
+    return (h * h).mean((0, 1, 2)) - h.mean((0, 1, 2)) ** 2
+
+  assert bool(jnp.isinf(jaxamp.autocast(fast_variance, policy="cpu")(x)).all())
 
 
 def _pool_inputs(half):

@@ -15,7 +15,14 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxamp._autocast.modes import OFF, region
-from jaxamp._autocast.policies import BIAS_LAYERS, F32, FUSED_F32, FUSED_FUNCTIONS, HALF
+from jaxamp._autocast.policies import (
+  BIAS_LAYERS,
+  F32,
+  FUSED_F32,
+  FUSED_FUNCTIONS,
+  FUSED_STATISTICS,
+  HALF,
+)
 
 if TYPE_CHECKING:
   from jaxamp._autocast.interpreter import Interpreter
@@ -140,18 +147,25 @@ def run_fused(
   half: Any,
 ) -> None:
   """A fused op's call as torch's kernel computes it, into ``env``: in float32, rounded to
-  ``half`` once (kept float32 where the policy's float32 list has the op)."""
+  ``half`` once (kept float32 where the policy's float32 list has the op, and for a
+  batch norm's statistics)."""
   mode = region(eqns[0], interp.mode)
+  half_shapes = set()
 
   def read32(v: Any) -> Any:
     x = read(v)
-    return interp.cast(x, F32) if np.dtype(x.dtype) in HALF else x
+    if np.dtype(x.dtype) not in HALF:
+      return x
+    half_shapes.add(np.shape(x))
+    return interp.cast(x, F32)
 
   _in_float32(interp.in_mode(OFF), eqns, env, read32)
   to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
   for v in span.outs:
     x = env[v]
-    env[v] = interp.cast(x, half) if to_half and np.dtype(x.dtype) == F32 else x
+    statistic = span.op in FUSED_STATISTICS and np.shape(x) not in half_shapes
+    if to_half and not statistic and np.dtype(x.dtype) == F32:
+      env[v] = interp.cast(x, half)
 
 
 def _in_float32(off: Interpreter, eqns: list[Any], env: dict[Any, Any], read32: Callable) -> None:

@@ -96,6 +96,9 @@ FUSED_FUNCTIONS = {
   ("flax/nnx/nn/normalization.py", "RMSNorm.__call__"): "rms_norm",
   ("flax/linen/normalization.py", "RMSNorm.__call__"): "rms_norm",
   ("equinox/nn/_normalisation.py", "RMSNorm.__call__"): "rms_norm",
+  ("flax/nnx/nn/normalization.py", "BatchNorm.__call__"): "batch_norm",
+  ("flax/linen/normalization.py", "BatchNorm.__call__"): "batch_norm",
+  ("equinox/nn/_batch_norm.py", "BatchNorm.__call__"): "batch_norm",
   ("jax/_src/ops/special.py", "logsumexp"): "logsumexp",
   ("optax/losses/_regression.py", "huber_loss"): "huber_loss",
   ("jax/_src/image/scale.py", "resize"): "upsample",
@@ -124,6 +127,10 @@ FUSED_F32 = {
   ),
   "cpu": frozenset({"cross_entropy", "huber_loss"}),
 }
+
+# Fused ops that also return statistics (a batch norm's running mean and variance):
+# an output not shaped like the op's half input stays float32, as torch keeps them.
+FUSED_STATISTICS = frozenset({"batch_norm"})
 
 # Fused ops whose JAX form has matmuls (jax.image.resize's weights): with no half
 # input they run in float32 as written, not with the matmuls in the half dtype.
