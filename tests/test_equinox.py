@@ -334,7 +334,7 @@ def test_docs_equinox_python_blocks_run(capsys):
   text = path.read_text()
   blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
   outputs = shown_outputs(path)
-  assert len(blocks) == len(outputs) == 4
+  assert len(blocks) == len(outputs) == 5
   namespace = {"__name__": "docs_equinox"}
   for number, (block, shown) in enumerate(zip(blocks, outputs), 1):
     capsys.readouterr()
