@@ -152,6 +152,25 @@ def test_library_batch_norm_values_against_torch(lib, half, policy):
   np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), theirs, rtol=ulp, atol=ulp)
 
 
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+def test_equinox_batch_norm_with_autocast_inside_vmap_keeps_float32_statistics(policy):
+  # vmap outside autocast: the per-example trace's input and statistics have the
+  # same shape, and the statistics come through the batch axis' psum
+  x = _images(scale=300.0).astype(jnp.float16).astype(jnp.float32)
+  theirs, _ = _torch_batch_norm(x, torch.float16)
+  module, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(C, "batch", eps=1e-5, mode="batch")
+  per_example = jaxamp.autocast(lambda row, state: module(row @ jnp.eye(C), state), policy=policy)
+  y, new = jax.vmap(per_example, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+    x.reshape(-1, C), state
+  )
+  mean, var = new.get(module.batch_state_index)
+  assert y.dtype == jnp.float16 and mean.dtype == var.dtype == jnp.float32
+  assert bool(jnp.isfinite(var).all())
+  ulp = 2.0**-10
+  y = np.asarray(y.astype(jnp.float32)).reshape(x.shape)
+  np.testing.assert_allclose(y, theirs, rtol=ulp, atol=ulp)
+
+
 def test_fast_variance_written_out_overflows_float16_under_the_cpu_policy():
   # the control for the test above: the arithmetic of Flax's fast variance, written
   # out, runs primitive by primitive in float16 and squares 300 to inf

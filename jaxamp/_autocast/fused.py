@@ -14,15 +14,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxamp._autocast import policies
 from jaxamp._autocast.modes import OFF, region
-from jaxamp._autocast.policies import (
-  BIAS_LAYERS,
-  F32,
-  FUSED_F32,
-  FUSED_FUNCTIONS,
-  FUSED_STATISTICS,
-  HALF,
-)
+from jaxamp._autocast.policies import BIAS_LAYERS, F32, FUSED_F32, FUSED_FUNCTIONS, HALF
 
 if TYPE_CHECKING:
   from jaxamp._autocast.interpreter import Interpreter
@@ -150,22 +144,44 @@ def run_fused(
   ``half`` once (kept float32 where the policy's float32 list has the op, and for a
   batch norm's statistics)."""
   mode = region(eqns[0], interp.mode)
-  half_shapes = set()
+  halves = []
 
   def read32(v: Any) -> Any:
     x = read(v)
     if np.dtype(x.dtype) not in HALF:
       return x
-    half_shapes.add(np.shape(x))
+    halves.append(v)
     return interp.cast(x, F32)
 
   _in_float32(interp.in_mode(OFF), eqns, env, read32)
   to_half = span.op not in FUSED_F32.get(mode.policy or "", frozenset())
+  elementwise = _elementwise_from(eqns, halves) if span.op in policies.FUSED_STATISTICS else None
   for v in span.outs:
     x = env[v]
-    statistic = span.op in FUSED_STATISTICS and np.shape(x) not in half_shapes
+    statistic = elementwise is not None and v not in elementwise
     if to_half and not statistic and np.dtype(x.dtype) == F32:
       env[v] = interp.cast(x, half)
+
+
+# Ops that reduce over elements or devices: what comes through them is a statistic.
+_REDUCTIONS = frozenset(
+  {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "psum", "pmax", "pmin"}
+)
+
+
+def _elementwise_from(eqns: list[Any], sources: Any) -> set[Any]:
+  """The variables of ``eqns`` that ``sources`` reach other than through a reduction: a
+  batch norm's output, where its running statistics come through its mean and variance."""
+  reached = {v for v in sources if not isinstance(v, jex_core.Literal)}
+  for eqn in eqns:
+    hit = [not isinstance(v, jex_core.Literal) and v in reached for v in eqn.invars]
+    if eqn.primitive.name in ("jit", "pjit"):
+      inner = eqn.params["jaxpr"].jaxpr
+      inner_reached = _elementwise_from(inner.eqns, [i for i, h in zip(inner.invars, hit) if h])
+      reached.update(o for o, i in zip(eqn.outvars, inner.outvars) if i in inner_reached)
+    elif eqn.primitive.name not in _REDUCTIONS and any(hit):
+      reached.update(eqn.outvars)
+  return reached
 
 
 def _in_float32(off: Interpreter, eqns: list[Any], env: dict[Any, Any], read32: Callable) -> None:

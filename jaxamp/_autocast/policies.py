@@ -25,31 +25,12 @@ _LINALG = frozenset(
 # torch's CUDA float32 list, as JAX primitives: torch 2.13's AT_FORALL_FP32 and
 # AT_FORALL_FP32_SET_OPT_DTYPE (ATen/autocast_mode.h; docs/autocast.md has the table).
 # Not exp2 or cumlogsumexp: torch's exp2 and logcumsumexp are on none of its lists.
-FP32_CUDA = (
-  frozenset(
-    {
-      "exp",
-      "expm1",
-      "log",
-      "log1p",
-      "pow",
-      "integer_pow",
-      "square",
-      "rsqrt",
-      "reduce_sum",
-      "reduce_prod",
-      "cumsum",
-      "cumprod",
-      "erf_inv",
-      "acos",
-      "asin",
-      "cosh",
-      "sinh",
-      "tan",
-    }
-  )
-  | _LINALG
-)
+# fmt: off
+FP32_CUDA = frozenset({
+  "exp", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt", "reduce_sum",
+  "reduce_prod", "cumsum", "cumprod", "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
+}) | _LINALG
+# fmt: on
 
 # torch's CPU float32 list, as JAX primitives: prod is the only op of that list
 # that is one primitive (the losses, cdist, ... decompose into ops that run in
@@ -129,7 +110,7 @@ FUSED_F32 = {
 }
 
 # Fused ops that also return statistics (a batch norm's running mean and variance):
-# an output not shaped like the op's half input stays float32, as torch keeps them.
+# an output its half input reaches only through a reduction stays float32, as torch's.
 FUSED_STATISTICS = frozenset({"batch_norm"})
 
 # Fused ops whose JAX form has matmuls (jax.image.resize's weights): with no half
