@@ -145,3 +145,42 @@ def test_adaptive_clip_by_torch_layout_needs_params():
   tx = jaxamp.ops.adaptive_clip_by_torch_layout()
   with pytest.raises(ValueError, match="pass params"):
     tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("form", ["optax", "grad_scaler"])
+def test_value_clipping_matches_torch_clip_grad_value(form):
+  """torch's AMP loop: ``scaler.unscale_``, ``clip_grad_value_(params, 0.1)``, ``step``;
+  jaxamp: ``optax.clip(0.1)`` chained inside the scaler, or ``jnp.clip`` after
+  ``unscale_`` (docs/index.md, docs/porting.md). SGD with lr 1, so the update is the
+  clipped gradient."""
+  rng = np.random.default_rng(1)
+  scale = 1024.0
+  grads = [(rng.standard_normal(s) * 0.2 * scale).astype(np.float32) for s in [(5, 3), (7,)]]
+  params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+  opt = torch.optim.SGD(params, lr=1.0)
+  scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+  scaler.scale(torch.tensor(1.0))  # the loss's backward gave grads
+  for p, g in zip(params, grads):
+    p.grad = torch.from_numpy(g.copy())
+  scaler.unscale_(opt)
+  torch.nn.utils.clip_grad_value_(params, 0.1)
+  scaler.step(opt)
+  want = [p.detach().numpy() for p in params]
+  jgrads, zeros = [jnp.asarray(g) for g in grads], [jnp.zeros(g.shape) for g in grads]
+  if form == "optax":
+    tx = jaxamp.dynamic_loss_scale(optax.chain(optax.clip(0.1), optax.sgd(1.0)), init_scale=scale)
+    updates, _ = tx.update(jgrads, tx.init(zeros), zeros)
+    got = optax.apply_updates(zeros, updates)
+  else:
+    jscaler = jaxamp.GradScaler(init_scale=scale)
+    jscaler.scale(jnp.float32(1.0))
+    jopt = jaxamp.Optimizer(optax.sgd(1.0), zeros, grads=jgrads)
+    jscaler.unscale_(jopt)
+    jopt.grads = [jnp.clip(g, -0.1, 0.1) for g in jopt.grads]
+    jscaler.step(jopt)
+    got = jopt.params
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), w)
+  assert any((np.abs(w) == 0.1).any() for w in want)  # some were clipped
+  assert any(((np.abs(w) < 0.1) & (w != 0)).any() for w in want)  # some were kept
