@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from bench_core import small_layers
 from jax import lax
 
 import jaxamp
@@ -131,8 +132,7 @@ def main():
   parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "where"))
   args = parser.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
-  pair = [(32, 32), (32,), (32, 128), (128,), (128, 32), (32,)]
-  params = [jnp.zeros(pair[i % len(pair)]) for i in range(args.leaves)]
+  params = [jnp.zeros(shape) for shape in small_layers(args.leaves)]
   grads = [jnp.zeros_like(x) for x in params]
   print(f"# {args.leaves} leaves; jax {jax.__version__}, {jax.devices()[0].platform}")
   for name in args.variants.split(","):

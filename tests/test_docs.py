@@ -85,11 +85,11 @@ def test_docs_python_blocks_run_in_order(name, capsys):
 
 
 # The pages with python blocks (README.md, docs/**/*.md): each block states what it
-# prints ("prints:" or "prints nothing."), and COVERED_ELSEWHERE's test compares.
+# prints ("prints:" or "prints nothing."), and the page's runner compares.
 STATE_EVERY_OUTPUT = sorted(
   str(path.relative_to(ROOT))
   for path in [ROOT / "README.md", *DOCS.rglob("*.md")]
-  if re.search(r"^```python$", path.read_text(), flags=re.MULTILINE)
+  if python_blocks(path)
 )
 
 
