@@ -165,6 +165,8 @@ def arrays_only(tree: Any) -> Any:
   return jax.tree.map(lambda x: x if is_array_leaf(x) else None, tree)
 
 
-def with_non_arrays(new: Any, old: Any) -> Any:
-  """``new`` (from :func:`arrays_only` of ``old``) with ``old``'s other leaves back."""
-  return jax.tree.map(lambda n, o: o if n is None else n, new, old, is_leaf=is_none)
+def with_non_arrays(new: Any, old: Any, grads: Any) -> Any:
+  """``new`` (from :func:`arrays_only` of ``old``) with ``old``'s other leaves back, and its
+  Python numbers without a gradient as given, as ``eqx.apply_updates`` (not as arrays)."""
+  back = lambda n, o, g: o if n is None or (g is None and not hasattr(o, "dtype")) else n
+  return jax.tree.map(back, new, old, none_expanded(grads, old), is_leaf=is_none)

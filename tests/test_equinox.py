@@ -274,6 +274,63 @@ def test_grad_scaler_iteration_inside_filter_jit_on_a_whole_module():
   assert _array_bits(opt.params) == _array_bits(reference)
 
 
+class _WithDropout(eqx.Module):
+  """An MLP and a Dropout, whose ``inference`` is a Python bool leaf (not static)."""
+
+  mlp: eqx.nn.MLP
+  dropout: eqx.nn.Dropout
+
+  def __call__(self, x):
+    return self.dropout(self.mlp(x), inference=True)
+
+
+@pytest.mark.parametrize("front_end", ["apply_scaled_updates", "GradScaler"])
+def test_a_python_bool_leaf_comes_back_as_given_as_eqx_apply_updates_leaves_it(front_end):
+  """A Python number with a None gradient (eqx.filter_grad gives one to a bool) is
+  returned as it was, as eqx.apply_updates returns it: an array there would be a
+  traced value in the next eqx.filter_jit trace, where Dropout tests it with ``if``."""
+  model = _WithDropout(_mlp(), eqx.nn.Dropout(0.5))
+  loss = lambda m: jnp.mean(jax.vmap(m)(X) ** 2)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
+
+  @eqx.filter_jit
+  def fused_step(model, state):
+    grads = eqx.filter_grad(lambda m: jaxamp.scale_loss(loss(m), state))(model)
+    return jaxamp.apply_scaled_updates(tx, grads, state, model)
+
+  @eqx.filter_jit
+  def scaler_step(scaler, opt):
+    opt.grads = eqx.filter_grad(lambda m: scaler.scale(loss(m)))(opt.params)
+    scaler.step(opt)
+    scaler.update()
+    return scaler, opt
+
+  @eqx.filter_jit
+  def reference_step(model):  # optax on the unscaled gradients (4 is exact to divide by)
+    grads = eqx.filter_grad(lambda m: loss(m) * 4.0)(model)
+    return eqx.apply_updates(model, _reference_sgd(grads, 4.0))
+
+  state = tx.init(eqx.filter(model, eqx.is_array))
+  scaler, opt = jaxamp.GradScaler(init_scale=4.0), jaxamp.Optimizer(optax.sgd(0.1), model)
+  reference = model
+  for _ in range(2):  # the second step traces again with the first's output
+    if front_end == "apply_scaled_updates":
+      model, state = fused_step(model, state)
+    else:
+      scaler, opt = scaler_step(scaler, opt)
+      model = opt.params
+    reference = reference_step(reference)
+    assert model.dropout.inference is False and model.dropout.p == 0.5
+  if front_end == "GradScaler":
+    assert _array_bits(model) == _array_bits(reference)
+  else:  # apply_scaled_updates agrees to the last bits: within 4 ulps of each leaf's largest
+    for got, want in zip(
+      *(jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (model, reference))
+    ):
+      ulp = np.spacing(np.max(np.abs(np.asarray(want))))
+      assert np.max(np.abs(np.asarray(got) - np.asarray(want))) <= 4 * ulp
+
+
 @pytest.mark.slow
 @pytest.mark.torch
 def test_grad_scaler_step_with_a_none_gradient_matches_torch():

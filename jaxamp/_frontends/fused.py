@@ -156,7 +156,7 @@ def apply_scaled_updates(
   eager = not traced((grads, opt_state))
   arguments = (grads, opt_state, arrays_only(params), extra_args)
   new_params, new_state = call_compiled(_apply_scaled_updates, (tx, eager), *arguments)
-  new_params = with_non_arrays(new_params, params)
+  new_params = with_non_arrays(new_params, params, grads)
   if eager:  # outside jit: a clear error, and the caller's state as it was
     check_skip_limit(core_of(find_loss_scale_state(new_state)), config)
   return new_params, new_state

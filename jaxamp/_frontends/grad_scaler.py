@@ -253,7 +253,7 @@ class GradScaler(ScalerState):
     params, opt_state = call_compiled(
       _step_unless, static, found_inf, grads, arrays, optimizer.opt_state, extra_args
     )
-    params = with_non_arrays(params, optimizer.params)
+    params = with_non_arrays(params, optimizer.params, grads)
     optimizer.grads, optimizer.params, optimizer.opt_state = grads, params, opt_state
     if nonfinite is not None:
       optimizer.nonfinite_leaves = nonfinite
